@@ -1,0 +1,24 @@
+# The README's commands. `make install` once, then `make up` or `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install up demo test bench bench-codec bench-pipeline
+
+install:
+	bash install.sh
+
+up:
+	$(VENV)/bin/fleetscope up
+
+demo: up
+
+test:
+	$(VENV)/bin/pytest -q
+
+bench: bench-codec bench-pipeline
+
+bench-codec:
+	$(PY) benchmarks/codec_bench.py
+
+bench-pipeline:
+	$(PY) benchmarks/pipeline_bench.py

@@ -1,0 +1,1 @@
+"""fleetscope: see inside ML jobs across a GPU fleet."""

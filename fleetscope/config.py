@@ -1,0 +1,116 @@
+"""Configuration: defaults, then a TOML file, then FLEETSCOPE_* environment variables.
+
+Secrets (ClickHouse passwords) never live here: they come from the
+environment or a file, read by the store backend.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "fleetscope"
+
+
+@dataclass(frozen=True)
+class Config:
+    # Kafka: None means "start the embedded broker".
+    kafka: str | None = None
+    embedded_broker_port: int = 0  # 0: pick a free loopback port
+    topic_prefix: str = "fleetscope"
+    partitions: int = 4
+    # Store: None means embedded chDB under data_dir.
+    clickhouse_url: str | None = None
+    database: str = "fleetscope"
+    ttl_days: int = 7
+    data_dir: Path = field(default_factory=default_data_dir)
+    # Streams
+    window_s: float = 1.0
+    allowed_lateness_s: float = 2.0
+    idle_close_s: float = 5.0  # wall-clock flush of a key that stopped sending
+    consumer_group: str = "fleetscope-streams"
+    # Agent
+    host: str = field(default_factory=socket.gethostname)
+    sample_interval_s: float = 1.0
+    collectors: tuple[str, ...] | None = None  # None: every default-enabled collector
+    spool_max_batches: int = 10_000
+
+    def topic(self, name: str) -> str:
+        return f"{self.topic_prefix}.{name}"
+
+    def raw_topic(self, source: str) -> str:
+        return f"{self.topic_prefix}.raw.{source}"
+
+    def validate(self) -> "Config":
+        if not 0.1 <= self.sample_interval_s <= 10:
+            raise ConfigError(f"sample_interval_s={self.sample_interval_s}: must lie in [0.1, 10] seconds")
+        if self.window_s <= 0 or self.allowed_lateness_s < 0:
+            raise ConfigError("window_s must be > 0 and allowed_lateness_s >= 0")
+        if self.partitions < 1:
+            raise ConfigError("partitions must be >= 1")
+        if not self.topic_prefix or any(c in self.topic_prefix for c in "/ \\"):
+            raise ConfigError(f"topic_prefix {self.topic_prefix!r} must be non-empty without '/', spaces")
+        return self
+
+
+_ENV = {  # env var -> field
+    "FLEETSCOPE_KAFKA": "kafka", "FLEETSCOPE_TOPIC_PREFIX": "topic_prefix",
+    "FLEETSCOPE_PARTITIONS": "partitions", "FLEETSCOPE_CLICKHOUSE_URL": "clickhouse_url",
+    "FLEETSCOPE_DATABASE": "database", "FLEETSCOPE_TTL_DAYS": "ttl_days",
+    "FLEETSCOPE_DATA_DIR": "data_dir", "FLEETSCOPE_WINDOW_S": "window_s",
+    "FLEETSCOPE_ALLOWED_LATENESS_S": "allowed_lateness_s", "FLEETSCOPE_HOST": "host",
+    "FLEETSCOPE_SAMPLE_INTERVAL_S": "sample_interval_s", "FLEETSCOPE_COLLECTORS": "collectors",
+    "FLEETSCOPE_CONSUMER_GROUP": "consumer_group",
+}
+
+
+def _coerce(name: str, raw):
+    kinds = {f.name: f.type for f in fields(Config)}
+    kind = kinds.get(name)
+    if kind is None:
+        raise ConfigError(f"unknown setting {name!r}; known: {sorted(kinds)}")
+    try:
+        if raw is None or raw == "":
+            return None if "None" in str(kind) else raw
+        if "int" in str(kind) and "tuple" not in str(kind):
+            return int(raw)
+        if "float" in str(kind):
+            return float(raw)
+        if "Path" in str(kind):
+            return Path(os.path.expanduser(str(raw)))
+        if "tuple" in str(kind):
+            items = raw.split(",") if isinstance(raw, str) else list(raw)
+            return tuple(i.strip() for i in items if i.strip())
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"setting {name}={raw!r}: {exc}") from None
+
+
+def load(path: str | os.PathLike | None = None, env: dict | None = None, **overrides) -> Config:
+    """Defaults < file (FLEETSCOPE_CONFIG or `path`) < environment < overrides."""
+    env = os.environ if env is None else env
+    values: dict = {}
+    path = path or env.get("FLEETSCOPE_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        values.update({k: _coerce(k, v) for k, v in data.items()})
+    for var, name in _ENV.items():
+        if var in env:
+            values[name] = _coerce(name, env[var])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return replace(Config(), **values).validate()

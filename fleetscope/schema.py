@@ -1,0 +1,51 @@
+"""Which columns each source's batches must carry, and their types.
+
+Every event carries its identity (tenant, job, rank, pid, gpu) and its event
+time `ts_ns` (ns since the Unix epoch). The node is the batch's `host`.
+Events that belong to the node rather than to a rank (host counters, agent
+health) use tenant NODE_TENANT, job = the host name, rank -1.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fleetscope.wire import Batch, StrColumn, WireError
+
+NODE_TENANT = "_node"
+NO_RANK = -1
+NO_GPU = -1
+
+STR = "str"
+IDENTITY_COLUMNS = {"ts_ns": np.dtype("<i8"), "tenant": STR, "job": STR,
+                    "rank": np.dtype("<i4"), "pid": np.dtype("<i4"), "gpu": np.dtype("<i2")}
+# A metric sample: a gauge (interval_ns == 0) or a delta over interval_ns.
+METRIC_COLUMNS = {"metric": STR, "device": STR, "value": np.dtype("<f8"), "interval_ns": np.dtype("<i8")}
+
+SOURCE_COLUMNS: dict[str, dict] = {
+    "host": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
+    "agent": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
+}
+
+
+def validate(batch: Batch) -> None:
+    """Raise WireError unless the batch has its source's columns, typed right."""
+    spec = SOURCE_COLUMNS.get(batch.source)
+    if spec is None:
+        raise WireError(f"unknown source {batch.source!r}; known: {sorted(SOURCE_COLUMNS)}")
+    for name, kind in spec.items():
+        col = batch.columns.get(name)
+        if col is None:
+            raise WireError(f"{batch.source} batch lacks column {name!r}")
+        if kind == STR:
+            if not isinstance(col, StrColumn):
+                raise WireError(f"{batch.source} column {name!r} must be a string column")
+        elif isinstance(col, StrColumn) or col.dtype != kind:
+            got = "str" if isinstance(col, StrColumn) else col.dtype
+            raise WireError(f"{batch.source} column {name!r} must be {kind}, got {got}")
+
+
+def node_identity(host: str, n: int) -> dict:
+    """Identity columns for n node-level events (no rank, no process)."""
+    return {"tenant": StrColumn.constant(NODE_TENANT, n), "job": StrColumn.constant(host, n),
+            "rank": np.full(n, NO_RANK, dtype="<i4"), "pid": np.zeros(n, dtype="<i4"),
+            "gpu": np.full(n, NO_GPU, dtype="<i2")}

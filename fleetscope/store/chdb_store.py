@@ -1,0 +1,123 @@
+"""The embedded store: chDB, the ClickHouse engine inside this process.
+
+Two chDB facts shape this file:
+- one process per data directory: a second process fails with "Error
+  initializing EmbeddedServer" (we raise StoreBusyError), and one process
+  can hold only one data directory at a time;
+- the session is not thread-safe, so every call takes `_lock` (the query
+  endpoint serves requests from several threads).
+
+Inserts go through `INSERT ... SELECT ... FROM Python(df)`: chDB reads the
+pandas DataFrame named `df` from the calling frame's locals, at memory speed.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fleetscope.store.base import (ColumnData, Prepared, QueryResult, SqlStore, StoreBusyError, StoreError,
+                                   check_identifier, json_default, prepare_columns)
+from fleetscope.wire import StrColumn
+
+BUSY_MESSAGE = ("the chDB data directory {path} is held by another fleetscope process "
+                "(chDB allows one process per data directory). Keep `fleetscope up` running so its "
+                "query endpoint (endpoint.json in the data dir) serves other commands, or stop the "
+                "other process and try again.")
+
+
+class ChdbStore(SqlStore):
+    def __init__(self, path: Path, database: str = "fleetscope", ttl_days: int = 7) -> None:
+        super().__init__(database, ttl_days)
+        from chdb import session  # late: importing chdb loads a large library
+
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        try:
+            self._session = session.Session(str(self.path))
+        except Exception as exc:  # chDB raises a bare RuntimeError
+            if "Error initializing EmbeddedServer" in str(exc):
+                raise StoreBusyError(BUSY_MESSAGE.format(path=self.path)) from exc
+            if "EmbeddedServer already initialized" in str(exc):
+                raise StoreError(f"this process already has another chDB data directory open; close that "
+                                 f"store before opening {self.path} ({exc})") from exc
+            raise StoreError(f"cannot open chDB at {self.path}: {exc}") from exc
+        # 64-bit ints as JSON numbers, not strings, so rows come back typed.
+        self._run("SET output_format_json_quote_64bit_integers = 0")
+        self._run(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
+        self._run(f"USE `{self.database}`")  # unqualified names resolve in our database
+
+    def _run(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        with self._lock:
+            if self._session is None:
+                raise StoreError("the store is closed")
+            try:
+                res = self._session.query(sql, "JSONCompact", params=params or {})
+            except Exception as exc:
+                raise StoreError(str(exc)) from exc
+        return QueryResult.from_json_compact(res.bytes())
+
+    def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        return self._run(sql, params)
+
+    def insert(self, table: str, columns: dict[str, ColumnData], dedupe_token: str | None = None) -> int:
+        check_identifier(table, "table name")
+        self.check_token(dedupe_token)
+        cols, n = prepare_columns(table, columns, self.column_types(table))
+        if n == 0:
+            return 0
+        try:
+            df = pd.DataFrame({c.name: _frame_column(c) for c in cols}, copy=False)  # noqa: F841 (read by Python(df))
+        except (TypeError, ValueError) as exc:  # e.g. NaN inside an Array column
+            raise StoreError(f"insert into {table}: {exc}") from None
+        names = ", ".join(f"`{c.name}`" for c in cols)
+        exprs = ", ".join(_select_expr(c) for c in cols)
+        sql = f"INSERT INTO `{self.database}`.`{table}` ({names}) SELECT {exprs} FROM Python(df)"
+        params: dict[str, Any] = {}
+        if dedupe_token is not None:
+            sql += " SETTINGS insert_deduplication_token = {fs_dedupe_token:String}"
+            params["fs_dedupe_token"] = dedupe_token
+        with self._lock:
+            if self._session is None:
+                raise StoreError("the store is closed")
+            try:
+                # Python(df) is resolved from this frame's locals: keep the call here.
+                self._session.query(sql, "JSONCompact", params=params)
+            except Exception as exc:
+                raise StoreError(f"insert into {table} failed: {exc}") from exc
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+
+
+def _frame_column(c: Prepared):
+    if c.kind == "nested":
+        # Python(df) would infer dicts as JSON and lists as String, neither of which
+        # casts to Map/Array; JSON text + JSONExtract into the exact type does.
+        return np.array([json.dumps(v, allow_nan=False, default=json_default) for v in c.data], dtype=object)
+    if c.kind == "str" and isinstance(c.data, StrColumn):
+        try:  # categorical keeps the dictionary encoding all the way in
+            return pd.Categorical.from_codes(c.data.codes.astype(np.int32, copy=False), categories=list(c.data.values))
+        except ValueError:  # duplicate dictionary entries: decode instead
+            return c.data.to_numpy()
+    return c.data
+
+
+def _select_expr(c: Prepared) -> str:
+    col = f"`{c.name}`"
+    if c.kind == "time":
+        # Explicit ns -> UTC conversion: no dependence on the process time zone.
+        return f"fromUnixTimestamp64Nano({col}, 'UTC')"
+    if c.kind == "nested":
+        # The type comes from our own table's metadata, not from the caller; quote it as a literal.
+        return f"JSONExtract({col}, '{c.ch_type.replace(chr(39), chr(92) + chr(39))}')"
+    return col

@@ -1,0 +1,1 @@
+"""Host telemetry: one collector per file (see collector.py), gathered by sampler.HostSampler."""

@@ -1,0 +1,53 @@
+"""CPU time, context switches and run-queue gauges from /proc/stat."""
+from __future__ import annotations
+
+import os
+
+from producers.host.collector import Collector, CounterDeltas, Sample, register
+
+# Column order of the cpu lines (see proc(5)). guest and guest_nice are left
+# out on purpose: the kernel already counts them inside user and nice, so
+# adding them would count that time twice.
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+@register
+class CpuStatCollector(Collector):
+    name = "cpu"
+
+    def __init__(self, proc_root="/proc", sys_root="/sys"):
+        super().__init__(proc_root, sys_root)
+        # /proc/stat counts in USER_HZ ticks; the divisor makes deltas seconds.
+        self._seconds_per_tick = 1.0 / os.sysconf("SC_CLK_TCK")
+        self._times = CounterDeltas()
+        self._ctxt = CounterDeltas()
+
+    def collect(self, now_ns: int) -> list[Sample]:
+        text = self.read_text(self.proc("stat"))
+        if text is None:
+            return []
+        times: dict[tuple[str, str], float] = {}
+        ctxt: dict[tuple[str, str], float] = {}
+        gauges: list[Sample] = []
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) < 2:
+                continue
+            head = parts[0]
+            try:
+                if head.startswith("cpu"):
+                    # "cpu" is the machine total; "cpuN" lines exist only for
+                    # online CPUs, so a CPU that is offline simply has no keys
+                    # and CounterDeltas skips it the tick it comes back.
+                    device = "all" if head == "cpu" else head
+                    values = [int(raw) for raw in parts[1:1 + len(_CPU_FIELDS)]]
+                    for field, value in zip(_CPU_FIELDS, values):
+                        times[(f"cpu.{field}", device)] = value
+                elif head == "ctxt":
+                    ctxt[("cpu.context_switches", "all")] = int(parts[1])
+                elif head in ("procs_running", "procs_blocked"):
+                    gauges.append(Sample(f"cpu.{head}", "all", float(parts[1]), 0))
+            except ValueError:
+                continue  # a malformed line costs that line, not the whole file
+        return (self._times.samples(now_ns, times, self._seconds_per_tick)
+                + self._ctxt.samples(now_ns, ctxt) + gauges)

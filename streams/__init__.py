@@ -1,0 +1,1 @@
+"""Stream workers: decode, window, featurize, store."""

@@ -1,0 +1,55 @@
+"""The Faust app: raw topics in, the StreamProcessor does the work.
+
+Values are read as raw bytes and decoded by us, so a bad message goes to the
+DLQ instead of crashing the agent (Faust's own decoding would raise). Events
+are taken with `noack()`; the processor acknowledges a message only after its
+rows and windows are stored, and Faust commits acknowledged offsets only.
+"""
+from __future__ import annotations
+
+import logging
+
+import faust
+
+from fleetscope.topics import RAW_SOURCES
+from streams.processor import MessageRef, StreamProcessor
+
+log = logging.getLogger(__name__)
+
+
+def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
+    app = faust.App(
+        cfg.consumer_group,
+        broker=f"kafka://{bootstrap}",
+        value_serializer="raw", key_serializer="raw",
+        web_enabled=False, store="memory://",
+        topic_partitions=cfg.partitions,
+        consumer_auto_offset_reset="earliest",
+        broker_commit_interval=1.0,
+        datadir=str(cfg.data_dir / "faust"),
+    )
+    raw = app.topic(*[cfg.raw_topic(s) for s in RAW_SOURCES], value_type=bytes, key_type=bytes,
+                    value_serializer="raw", key_serializer="raw")
+
+    @app.agent(raw, name="fleetscope-raw")
+    async def consume(stream):
+        async for event in stream.noack().events():
+            msg = event.message
+            ref = MessageRef(msg.topic, msg.partition, msg.offset, ack=event.ack)
+            processor.handle(event.value, event.headers, ref)
+            if processor.due():
+                processor.flush()
+
+    @app.timer(interval=0.25)
+    async def flush_idle():
+        # closes windows of keys that went quiet, and flushes a slow trickle
+        if processor.due():
+            processor.flush()
+
+    return app
+
+
+def run_worker(app: faust.App, loglevel: str = "warn") -> None:
+    """Run until SIGINT/SIGTERM; Faust commits the acknowledged offsets on stop."""
+    from faust.worker import Worker
+    Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False).execute_from_commandline()

@@ -1,0 +1,19 @@
+"""The feature vector of a window: a fixed, versioned, named set.
+
+Each source contributes through one builder; a builder leaves out what its
+inputs cannot support, so absent keys mean "masked", never zero.
+"""
+from __future__ import annotations
+
+from streams.host_features import host_features
+from streams.windows import Window
+
+FEATURE_VERSION = 1
+BUILDERS = (host_features,)
+
+
+def window_features(window: Window) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for build in BUILDERS:
+        out.update(build(window))
+    return out

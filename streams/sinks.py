@@ -1,0 +1,205 @@
+"""Where the stream worker's output goes: raw rows, feature rows, dead letters.
+
+Each sink buffers, writes one batched insert per flush, and reports which
+messages it has safely stored, so the processor can acknowledge them.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from fleetscope import wire
+from fleetscope.wire import Batch, StrColumn
+from streams.features import FEATURE_VERSION, window_features
+
+log = logging.getLogger(__name__)
+
+RAW_TABLE = {"host": "raw_metrics", "agent": "raw_metrics"}
+REPLAY_LOOKBACK_S = 900  # batch ids stored this recently count as "already stored" after a restart
+
+
+def _token(kind: str, ids) -> str:
+    return f"{kind}:" + hashlib.sha1("\n".join(ids).encode()).hexdigest()
+
+
+def _deliver(producer, timeout_s: float = 10.0) -> None:
+    if producer is not None and producer.flush(timeout_s):
+        raise RuntimeError("Kafka did not acknowledge the derived messages in time")
+
+
+def _strings(col: StrColumn) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(pa.array(col.codes, pa.uint32()), pa.array(col.values, pa.string()))
+
+
+class RawSink:
+    def __init__(self, store):
+        self.store = store
+        self._buffer: list[tuple[Batch, object]] = []
+        self._stored: list = []
+        self._stored_before: set[str] | None = None
+        self.rows = 0
+        self.replayed_batches = 0
+
+    def add(self, batch: Batch, ref) -> None:
+        self._buffer.append((batch, ref))
+        self.rows += batch.count
+
+    def _already_stored(self) -> set[str]:
+        if self._stored_before is None:  # once per run: what a previous run stored
+            since = np.datetime64(time.time_ns() - REPLAY_LOOKBACK_S * 10**9, "ns")
+            res = self.store.query("SELECT DISTINCT batch_id FROM raw_metrics WHERE ts >= {since:DateTime64(9)}",
+                                   {"since": str(since).replace("T", " ")})
+            self._stored_before = {r[0] for r in res.rows}
+        return self._stored_before
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        stored_before = self._already_stored()
+        by_table: dict[str, list[Batch]] = {}
+        for batch, _ in self._buffer:
+            if batch.batch_id in stored_before:
+                self.replayed_batches += 1
+                continue
+            by_table.setdefault(RAW_TABLE[batch.source], []).append(batch)
+        for table, batches in by_table.items():
+            self.store.insert(table, self._metric_rows(batches), dedupe_token=_token(table, [b.batch_id for b in batches]))
+        self._stored += [ref for _, ref in self._buffer]
+        self._buffer.clear()
+        self.rows = 0
+
+    @staticmethod
+    def _metric_rows(batches: list[Batch]) -> pa.Table:
+        def cat(name):
+            cols = [b.columns[name] for b in batches]
+            if isinstance(cols[0], StrColumn):
+                return pa.chunked_array([_strings(c) for c in cols]).cast(pa.string())
+            return pa.chunked_array([pa.array(c) for c in cols])
+
+        n = [b.count for b in batches]
+        ts = pa.chunked_array([pa.array(b.columns["ts_ns"].view("datetime64[ns]")) for b in batches])
+        return pa.table({
+            "source": pa.chunked_array([pa.array([b.source] * k) for b, k in zip(batches, n)]),
+            "tenant": cat("tenant"), "job": cat("job"),
+            "host": pa.chunked_array([pa.array([b.host] * k) for b, k in zip(batches, n)]),
+            "rank": cat("rank"), "pid": cat("pid"), "gpu": cat("gpu"), "ts": ts,
+            "metric": cat("metric"), "device": cat("device"), "value": cat("value"),
+            "interval_ns": cat("interval_ns"),
+            "batch_id": pa.chunked_array([pa.array([b.batch_id] * k) for b, k in zip(batches, n)]),
+        })
+
+    def take_stored(self) -> list:
+        out, self._stored = self._stored, []
+        return out
+
+
+class FeatureSink:
+    def __init__(self, cfg, store, producer=None):
+        self.cfg = cfg
+        self.store = store
+        self.producer = producer
+        self.host = socket.gethostname()
+
+    def stored_mark(self, key) -> int | None:
+        """Start (ns) of the newest window the store holds for this key, if any."""
+        tenant, job, host, rank = key
+        res = self.store.query(
+            "SELECT count(), toUnixTimestamp64Milli(max(window_start)) FROM features "
+            "WHERE tenant = {t:String} AND job = {j:String} AND host = {h:String} AND rank = {r:Int32}",
+            {"t": tenant, "j": job, "h": host, "r": rank})
+        count, newest_ms = res.rows[0]
+        return int(newest_ms) * 1_000_000 if int(count) else None
+
+    def write(self, windows) -> None:
+        vectors = [window_features(w) for w in windows]
+        now = np.datetime64(time.time_ns(), "ns")
+        map_type = pa.map_(pa.string(), pa.float64())
+        table = pa.table({
+            "tenant": [w.key[0] for w in windows], "job": [w.key[1] for w in windows],
+            "host": [w.key[2] for w in windows], "rank": pa.array([w.key[3] for w in windows], pa.int32()),
+            "window_start": pa.array(np.array([w.start_ns for w in windows]).view("datetime64[ns]")),
+            "window_end": pa.array(np.array([w.end_ns for w in windows]).view("datetime64[ns]")),
+            "feature_version": pa.array([FEATURE_VERSION] * len(windows), pa.uint16()),
+            "feature": pa.array([list(v.items()) for v in vectors], map_type),
+            "sources": [sorted(w.sources) for w in windows],
+            "event_count": pa.array([w.event_count for w in windows], pa.uint32()),
+            "emitted_at": pa.array(np.full(len(windows), now)),
+        })
+        ids = [f"{w.key}@{w.start_ns}" for w in windows]
+        self.store.insert("features", table, dedupe_token=_token("features", ids))
+        self._publish(windows, vectors)
+
+    def _publish(self, windows, vectors) -> None:
+        if self.producer is None:
+            return
+        by_job: dict[tuple[str, str], list[int]] = {}
+        for i, w in enumerate(windows):
+            by_job.setdefault((w.key[0], w.key[1]), []).append(i)
+        topic = self.cfg.topic("features")
+        for (tenant, job), idx in by_job.items():
+            batch = features_batch(self.host, [windows[i] for i in idx], [vectors[i] for i in idx])
+            self.producer.produce(topic, key=f"{tenant}/{job}".encode(), value=wire.encode(batch),
+                                  headers=batch.kafka_headers())
+        _deliver(self.producer)
+
+
+def features_batch(worker_host: str, windows, vectors) -> Batch:
+    """Feature rows as one columnar batch: `f.<name>` columns, NaN where masked."""
+    names = sorted({k for v in vectors for k in v})
+    cols = {
+        "window_start_ns": np.array([w.start_ns for w in windows], dtype="<i8"),
+        "window_end_ns": np.array([w.end_ns for w in windows], dtype="<i8"),
+        "tenant": StrColumn.of([w.key[0] for w in windows]), "job": StrColumn.of([w.key[1] for w in windows]),
+        "host": StrColumn.of([w.key[2] for w in windows]),
+        "rank": np.array([w.key[3] for w in windows], dtype="<i4"),
+        "event_count": np.array([w.event_count for w in windows], dtype="<u4"),
+    }
+    for name in names:
+        cols[f"f.{name}"] = np.array([v.get(name, np.nan) for v in vectors], dtype="<f8")
+    return Batch("features", worker_host, cols, extras={"feature_version": FEATURE_VERSION})
+
+
+class DeadLetters:
+    def __init__(self, cfg, store, producer=None):
+        self.cfg = cfg
+        self.store = store
+        self.producer = producer
+        self._buffer: list[tuple[object, bytes | None, str]] = []
+        self._stored: list = []
+
+    def add(self, ref, value: bytes | None, reason: str) -> None:
+        log.warning("dead-lettered %s[%d]@%d: %s", ref.topic, ref.partition, ref.offset, reason)
+        self._buffer.append((ref, value, reason))
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        rows = self._buffer
+        now = np.datetime64(time.time_ns(), "ns")
+        table = pa.table({
+            "ts": pa.array(np.full(len(rows), now)), "topic": [r.topic for r, _, _ in rows],
+            "partition": pa.array([r.partition for r, _, _ in rows], pa.int32()),
+            "offset": pa.array([r.offset for r, _, _ in rows], pa.int64()),
+            "reason": [reason for _, _, reason in rows], "source": [r.topic.rsplit(".", 1)[-1] for r, _, _ in rows],
+            "host": [""] * len(rows), "batch_id": [""] * len(rows),
+            "size": pa.array([len(v or b"") for _, v, _ in rows], pa.uint32()),
+            "payload_head": [(v or b"")[:64].hex() for _, v, _ in rows],
+        })
+        self.store.insert("dlq", table, dedupe_token=_token("dlq", [f"{r.topic}/{r.partition}/{r.offset}" for r, _, _ in rows]))
+        if self.producer is not None:
+            for ref, value, reason in rows:
+                self.producer.produce(self.cfg.topic("dlq"), value=value, headers=[
+                    ("fs-dlq-reason", reason.encode()), ("fs-dlq-topic", ref.topic.encode()),
+                    ("fs-dlq-partition", str(ref.partition).encode()), ("fs-dlq-offset", str(ref.offset).encode())])
+            _deliver(self.producer)
+        self._stored += [ref for ref, _, _ in rows]
+        self._buffer.clear()
+
+    def take_stored(self) -> list:
+        out, self._stored = self._stored, []
+        return out

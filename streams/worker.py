@@ -1,0 +1,40 @@
+"""`fleetscope streams`: one stream worker against a configured Kafka.
+
+It owns the store (chDB is one process per data directory), so it also
+serves the loopback endpoint that `fleetscope query` and `fleetscope up`'s
+status line use while it runs.
+"""
+from __future__ import annotations
+
+import logging
+
+from fleetscope.config import Config
+from fleetscope.store import open_store
+from fleetscope.store.endpoint import QueryEndpoint
+from fleetscope.topics import all_topics, ensure_topics
+from streams.app import create_app, run_worker
+from streams.processor import StreamProcessor
+
+log = logging.getLogger(__name__)
+
+
+def derived_producer(bootstrap: str):
+    from confluent_kafka import Producer
+    return Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
+                     "linger.ms": 5, "client.id": "fleetscope-streams"})
+
+
+def run_streams(cfg: Config, bootstrap: str) -> None:
+    ensure_topics(bootstrap, all_topics(cfg), cfg.partitions)
+    store = open_store(cfg.data_dir, cfg.database, cfg.clickhouse_url, cfg.ttl_days, prefer_endpoint=False)
+    applied = store.migrate()
+    if applied:
+        log.info("applied migrations: %s", ", ".join(applied))
+    processor = StreamProcessor(cfg, store, derived_producer(bootstrap))
+    endpoint = QueryEndpoint(store, cfg.data_dir, stats_provider=processor.snapshot)
+    endpoint.start()
+    try:
+        run_worker(create_app(cfg, bootstrap, processor))
+    finally:
+        endpoint.stop()
+        store.close()
