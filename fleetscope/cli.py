@@ -136,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     except config_mod.ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # known failures get one clear line, not a traceback
+        from fleetscope.broker import BrokerError
+        from fleetscope.store import StoreError
+        if isinstance(exc, (StoreError, BrokerError)):
+            print(f"fleetscope: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_PARTITIONS": "partitions", "FLEETSCOPE_CLICKHOUSE_URL": "clickhouse_url",
     "FLEETSCOPE_DATABASE": "database", "FLEETSCOPE_TTL_DAYS": "ttl_days",
     "FLEETSCOPE_DATA_DIR": "data_dir", "FLEETSCOPE_WINDOW_S": "window_s",
-    "FLEETSCOPE_ALLOWED_LATENESS_S": "allowed_lateness_s", "FLEETSCOPE_HOST": "host",
+    "FLEETSCOPE_ALLOWED_LATENESS_S": "allowed_lateness_s", "FLEETSCOPE_IDLE_CLOSE_S": "idle_close_s", "FLEETSCOPE_HOST": "host",
     "FLEETSCOPE_SAMPLE_INTERVAL_S": "sample_interval_s", "FLEETSCOPE_COLLECTORS": "collectors",
     "FLEETSCOPE_CONSUMER_GROUP": "consumer_group",
 }

@@ -58,7 +58,8 @@ class Publisher:
         self._lock = threading.Lock()
         conf = {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
                 "linger.ms": 5, "message.timeout.ms": 30_000, "queue.buffering.max.messages": 100_000,
-                "client.id": f"fleetscope-agent-{cfg.host}"}
+                "client.id": f"fleetscope-agent-{cfg.host}",
+                "log.connection.close": False}  # a broker going away is handled by the spool, not logged
         conf.update(extra_conf or {})
         self._producer = Producer(conf)
 

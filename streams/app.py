@@ -8,6 +8,7 @@ rows and windows are stored, and Faust commits acknowledged offsets only.
 from __future__ import annotations
 
 import logging
+import os
 
 import faust
 
@@ -26,6 +27,9 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
         topic_partitions=cfg.partitions,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=1.0,
+        # A worker killed without leaving the group holds its partitions until
+        # its session times out; keep that short so a restart resumes quickly.
+        broker_session_timeout=6.0, broker_heartbeat_interval=1.0, broker_rebalance_timeout=10.0,
         datadir=str(cfg.data_dir / "faust"),
     )
     raw = app.topic(*[cfg.raw_topic(s) for s in RAW_SOURCES], value_type=bytes, key_type=bytes,
@@ -49,7 +53,7 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
     return app
 
 
-def run_worker(app: faust.App, loglevel: str = "warn") -> None:
+def run_worker(app: faust.App, loglevel: str = os.environ.get("FLEETSCOPE_FAUST_LOGLEVEL", "warn")) -> None:
     """Run until SIGINT/SIGTERM; Faust commits the acknowledged offsets on stop."""
     from faust.worker import Worker
     Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False).execute_from_commandline()

@@ -11,7 +11,6 @@ import socket
 import time
 
 import numpy as np
-import pyarrow as pa
 
 from fleetscope import wire
 from fleetscope.wire import Batch, StrColumn
@@ -32,10 +31,6 @@ def _deliver(producer, timeout_s: float = 10.0) -> None:
         raise RuntimeError("Kafka did not acknowledge the derived messages in time")
 
 
-def _strings(col: StrColumn) -> pa.Array:
-    return pa.DictionaryArray.from_arrays(pa.array(col.codes, pa.uint32()), pa.array(col.values, pa.string()))
-
-
 class RawSink:
     def __init__(self, store):
         self.store = store
@@ -51,9 +46,9 @@ class RawSink:
 
     def _already_stored(self) -> set[str]:
         if self._stored_before is None:  # once per run: what a previous run stored
-            since = np.datetime64(time.time_ns() - REPLAY_LOOKBACK_S * 10**9, "ns")
-            res = self.store.query("SELECT DISTINCT batch_id FROM raw_metrics WHERE ts >= {since:DateTime64(9)}",
-                                   {"since": str(since).replace("T", " ")})
+            res = self.store.query(
+                "SELECT DISTINCT batch_id FROM raw_metrics WHERE ts >= fromUnixTimestamp64Nano({since:Int64})",
+                {"since": time.time_ns() - REPLAY_LOOKBACK_S * 10**9})
             self._stored_before = {r[0] for r in res.rows}
         return self._stored_before
 
@@ -74,24 +69,20 @@ class RawSink:
         self.rows = 0
 
     @staticmethod
-    def _metric_rows(batches: list[Batch]) -> pa.Table:
+    def _metric_rows(batches: list[Batch]) -> dict:
         def cat(name):
             cols = [b.columns[name] for b in batches]
             if isinstance(cols[0], StrColumn):
-                return pa.chunked_array([_strings(c) for c in cols]).cast(pa.string())
-            return pa.chunked_array([pa.array(c) for c in cols])
+                return np.concatenate([c.to_numpy() for c in cols])
+            return np.concatenate(cols)
 
-        n = [b.count for b in batches]
-        ts = pa.chunked_array([pa.array(b.columns["ts_ns"].view("datetime64[ns]")) for b in batches])
-        return pa.table({
-            "source": pa.chunked_array([pa.array([b.source] * k) for b, k in zip(batches, n)]),
-            "tenant": cat("tenant"), "job": cat("job"),
-            "host": pa.chunked_array([pa.array([b.host] * k) for b, k in zip(batches, n)]),
-            "rank": cat("rank"), "pid": cat("pid"), "gpu": cat("gpu"), "ts": ts,
-            "metric": cat("metric"), "device": cat("device"), "value": cat("value"),
-            "interval_ns": cat("interval_ns"),
-            "batch_id": pa.chunked_array([pa.array([b.batch_id] * k) for b, k in zip(batches, n)]),
-        })
+        def per_batch(attr):
+            return np.concatenate([np.full(b.count, getattr(b, attr), dtype=object) for b in batches])
+
+        return {"source": per_batch("source"), "tenant": cat("tenant"), "job": cat("job"),
+                "host": per_batch("host"), "rank": cat("rank"), "pid": cat("pid"), "gpu": cat("gpu"),
+                "ts": cat("ts_ns"), "metric": cat("metric"), "device": cat("device"), "value": cat("value"),
+                "interval_ns": cat("interval_ns"), "batch_id": per_batch("batch_id")}
 
     def take_stored(self) -> list:
         out, self._stored = self._stored, []
@@ -117,21 +108,19 @@ class FeatureSink:
 
     def write(self, windows) -> None:
         vectors = [window_features(w) for w in windows]
-        now = np.datetime64(time.time_ns(), "ns")
-        map_type = pa.map_(pa.string(), pa.float64())
-        table = pa.table({
+        now = time.time_ns()
+        rows = {
             "tenant": [w.key[0] for w in windows], "job": [w.key[1] for w in windows],
-            "host": [w.key[2] for w in windows], "rank": pa.array([w.key[3] for w in windows], pa.int32()),
-            "window_start": pa.array(np.array([w.start_ns for w in windows]).view("datetime64[ns]")),
-            "window_end": pa.array(np.array([w.end_ns for w in windows]).view("datetime64[ns]")),
-            "feature_version": pa.array([FEATURE_VERSION] * len(windows), pa.uint16()),
-            "feature": pa.array([list(v.items()) for v in vectors], map_type),
-            "sources": [sorted(w.sources) for w in windows],
-            "event_count": pa.array([w.event_count for w in windows], pa.uint32()),
-            "emitted_at": pa.array(np.full(len(windows), now)),
-        })
+            "host": [w.key[2] for w in windows], "rank": np.array([w.key[3] for w in windows], dtype=np.int32),
+            "window_start": np.array([w.start_ns for w in windows], dtype=np.int64),
+            "window_end": np.array([w.end_ns for w in windows], dtype=np.int64),
+            "feature_version": np.full(len(windows), FEATURE_VERSION, dtype=np.uint16),
+            "feature": vectors, "sources": [sorted(w.sources) for w in windows],
+            "event_count": np.array([w.event_count for w in windows], dtype=np.uint32),
+            "emitted_at": np.full(len(windows), now, dtype=np.int64),
+        }
         ids = [f"{w.key}@{w.start_ns}" for w in windows]
-        self.store.insert("features", table, dedupe_token=_token("features", ids))
+        self.store.insert("features", rows, dedupe_token=_token("features", ids))
         self._publish(windows, vectors)
 
     def _publish(self, windows, vectors) -> None:
@@ -180,16 +169,15 @@ class DeadLetters:
         if not self._buffer:
             return
         rows = self._buffer
-        now = np.datetime64(time.time_ns(), "ns")
-        table = pa.table({
-            "ts": pa.array(np.full(len(rows), now)), "topic": [r.topic for r, _, _ in rows],
-            "partition": pa.array([r.partition for r, _, _ in rows], pa.int32()),
-            "offset": pa.array([r.offset for r, _, _ in rows], pa.int64()),
-            "reason": [reason for _, _, reason in rows], "source": [r.topic.rsplit(".", 1)[-1] for r, _, _ in rows],
-            "host": [""] * len(rows), "batch_id": [""] * len(rows),
-            "size": pa.array([len(v or b"") for _, v, _ in rows], pa.uint32()),
+        refs = [r for r, _, _ in rows]
+        table = {
+            "ts": np.full(len(rows), time.time_ns(), dtype=np.int64), "topic": [r.topic for r in refs],
+            "partition": np.array([r.partition for r in refs], dtype=np.int32),
+            "offset": np.array([r.offset for r in refs], dtype=np.int64),
+            "reason": [reason for _, _, reason in rows], "source": [r.topic.rsplit(".", 1)[-1] for r in refs],
+            "size": np.array([len(v or b"") for _, v, _ in rows], dtype=np.uint32),
             "payload_head": [(v or b"")[:64].hex() for _, v, _ in rows],
-        })
+        }
         self.store.insert("dlq", table, dedupe_token=_token("dlq", [f"{r.topic}/{r.partition}/{r.offset}" for r, _, _ in rows]))
         if self.producer is not None:
             for ref, value, reason in rows:

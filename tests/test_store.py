@@ -281,3 +281,23 @@ def test_clickhouse_value_conversion():
     import datetime as dt
     assert chs.jsonable({"k": [float("nan"), np.int64(3), dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)]}) == \
         {"k": [None, 3, "2024-01-01 00:00:00"]}
+
+
+def test_pyarrow_tables_are_accepted(store):
+    # The stream sinks hand the store Arrow tables; maps arrive as (key, value) pairs.
+    import pyarrow as pa
+    now = np.datetime64(time.time_ns(), "ns")
+    table = pa.table({
+        "tenant": ["acme"], "job": ["j"], "host": ["h"], "rank": pa.array([3], pa.int32()),
+        "window_start": pa.array(np.array([now])), "window_end": pa.array(np.array([now])),
+        "feature_version": pa.array([2], pa.uint16()),
+        "feature": pa.array([[("a", 1.0), ("b", 2.0)]], pa.map_(pa.string(), pa.float64())),
+        "sources": [["cuda"]], "event_count": pa.array([4], pa.uint32()), "emitted_at": pa.array(np.array([now])),
+    })
+    assert store.insert("features", table, dedupe_token="arrow-1") == 1
+    assert store.insert("features", table, dedupe_token="arrow-1") == 1
+    assert store.query("SELECT rank, feature, sources FROM features").rows == [(3, {"a": 1, "b": 2}, ["cuda"])]
+    # A naive time parameter means UTC, whatever the host's time zone (this fails
+    # without the store's session_timezone setting when run with TZ=America/New_York).
+    since = str(now - np.timedelta64(1, "s")).replace("T", " ")
+    assert store.query("SELECT count() FROM features WHERE window_start >= {s:DateTime64(9)}", {"s": since}).rows == [(1,)]

@@ -3,8 +3,9 @@
 Backends: ChdbStore (in-process engine), ClickHouseServerStore (a server),
 RemoteStore (another process's chDB, through its loopback endpoint).
 
-Insert data is columnar: `{column: array}`. What each column may be depends
-on the table's column type, which the store looks up once per table:
+Insert data is columnar: `{column: array}` (a pyarrow Table is accepted
+too). What each column may be depends on the table's column type, which the
+store looks up once per table:
 
 - time columns (DateTime64 / DateTime): numpy datetime64 (any unit, read as
   UTC) or integers meaning nanoseconds since the Unix epoch. Pass the whole
@@ -79,10 +80,12 @@ class Store(ABC):
 
     @abstractmethod
     def insert(self, table: str, columns: dict[str, ColumnData], dedupe_token: str | None = None) -> int:
-        """Insert one columnar batch in one INSERT; return the number of rows.
+        """Insert one columnar batch in one INSERT; return the number of rows sent.
 
         With a dedupe_token, a second insert of the same token into the same
-        table is dropped by the engine (sinks pass the batch id).
+        table is dropped by the engine (sinks pass the batch id). A dropped
+        retry still returns the batch's row count: those rows are stored.
+        `columns` may also be a pyarrow Table.
         """
 
     @abstractmethod
@@ -135,6 +138,7 @@ def datetime_precision(ch_type: str) -> int:
 
 def prepare_columns(table: str, columns: dict[str, ColumnData], types: dict[str, str]) -> tuple[list[Prepared], int]:
     """Check names and lengths and normalise each column; returns (columns, rows)."""
+    columns = columns_of(columns)
     if not columns:
         raise StoreError(f"insert into {table}: no columns given")
     unknown = [c for c in columns if c not in types]
@@ -154,6 +158,29 @@ def prepare_columns(table: str, columns: dict[str, ColumnData], types: dict[str,
             raise StoreError(f"insert into {table}: column {name} ({ch_type}): {exc}") from None
         out.append(Prepared(name, kind, ch_type, data))
     return out, next(iter(lengths.values()))
+
+
+def columns_of(data: Any) -> dict[str, ColumnData]:
+    """The insert data as {name: column}; also accepts a pyarrow Table.
+
+    Arrow tables are converted column by column (no pyarrow import unless one
+    is passed): timestamps become datetime64, strings object arrays, maps
+    dicts, lists lists.
+    """
+    if isinstance(data, dict):
+        return data
+    if type(data).__module__.startswith("pyarrow") and hasattr(data, "column_names"):
+        return {name: _arrow_column(data.column(name)) for name in data.column_names}
+    raise StoreError(f"insert data must be a dict of columns or a pyarrow Table, not {type(data).__name__}")
+
+
+def _arrow_column(col: Any) -> ColumnData:
+    kind = str(col.type)
+    if kind.startswith("map<"):
+        return [dict(v) if v is not None else {} for v in col.to_pylist()]  # arrow maps come as (k, v) pairs
+    if kind.startswith(("list<", "large_list<", "fixed_size_list<", "struct<")):
+        return col.to_pylist()
+    return col.to_numpy()
 
 
 def _time_ns(col: ColumnData) -> np.ndarray:

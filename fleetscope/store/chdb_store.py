@@ -49,6 +49,9 @@ class ChdbStore(SqlStore):
             raise StoreError(f"cannot open chDB at {self.path}: {exc}") from exc
         # 64-bit ints as JSON numbers, not strings, so rows come back typed.
         self._run("SET output_format_json_quote_64bit_integers = 0")
+        # Naive time strings (e.g. a {since:DateTime64(9)} parameter) mean UTC, whatever
+        # the laptop's time zone: every time column in our tables is UTC.
+        self._run("SET session_timezone = 'UTC'")
         self._run(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
         self._run(f"USE `{self.database}`")  # unqualified names resolve in our database
 

@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
-from fleetscope.store.base import ColumnData, QueryResult, Store, StoreError, as_list
+from fleetscope.store.base import ColumnData, QueryResult, Store, StoreError, as_list, columns_of
 
 ENDPOINT_FILE = "endpoint.json"
 MAX_BODY = 512 << 20  # one insert batch; far above what a sink sends
@@ -256,7 +256,8 @@ class RemoteStore(Store):
         return list(self._post("/migrate", {})["applied"])
 
     def insert(self, table: str, columns: dict[str, ColumnData], dedupe_token: str | None = None) -> int:
-        body = {"table": table, "columns": {k: as_list(v) for k, v in columns.items()}, "dedupe_token": dedupe_token}
+        body = {"table": table, "columns": {k: as_list(v) for k, v in columns_of(columns).items()},
+                "dedupe_token": dedupe_token}
         return int(self._post("/insert", body)["rows"])
 
     def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:

@@ -1,0 +1,146 @@
+"""The stream worker's core against the real chDB engine (no broker needed here;
+tests/test_end_to_end.py runs the same core under Faust with the real broker)."""
+import numpy as np
+import pytest
+
+from fleetscope.config import Config
+from fleetscope.schema import node_identity
+from fleetscope.store import open_store
+from fleetscope.wire import Batch, StrColumn, encode
+from streams.processor import MessageRef, StreamProcessor
+
+SEC = 10**9
+T0 = 1_800_000_000 * SEC
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def host_batch(ts_ns: int, busy_s: float, idle_s: float, host="node-a") -> Batch:
+    names = ["cpu.user", "cpu.nice", "cpu.system", "cpu.idle", "cpu.iowait", "cpu.irq", "cpu.softirq", "cpu.steal",
+             "mem.total", "mem.available"]
+    vals = [busy_s, 0, 0, idle_s, 0, 0, 0, 0, 1000.0, 250.0]
+    n = len(names)
+    cols = {"ts_ns": np.full(n, ts_ns, dtype="<i8"), **node_identity(host, n),
+            "metric": StrColumn(np.arange(n, dtype=np.uint32), tuple(names)),
+            "device": StrColumn.constant("all", n), "value": np.array(vals, dtype="<f8"),
+            "interval_ns": np.array([SEC // 2] * 8 + [0, 0], dtype="<i8")}
+    return Batch("host", host, cols)
+
+
+@pytest.fixture()
+def store(tmp_path):
+    s = open_store(tmp_path, clickhouse_url=None, prefer_endpoint=False)
+    s.migrate()
+    yield s
+    s.close()
+
+
+def make_processor(store, clock, tmp_path):
+    cfg = Config(data_dir=tmp_path, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=30)
+    return StreamProcessor(cfg, store, producer=None, clock=clock)
+
+
+def feed(proc, messages, acked, start_offset=0):
+    for i, value in enumerate(messages):
+        off = start_offset + i
+        proc.handle(value, None, MessageRef("fleetscope.raw.host", 0, off, ack=lambda off=off: acked.append(off)))
+
+
+def test_features_are_computed_per_window_from_the_deltas(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    # two ticks per 1 s window, four windows; the last one stays open (watermark)
+    msgs = [encode(host_batch(T0 + k * SEC // 2, busy_s=0.1 * (k + 1), idle_s=0.4)) for k in range(8)]
+    feed(proc, msgs, acked)
+    proc.flush()
+    rows = store.query("SELECT toUnixTimestamp64Milli(window_start), feature['cpu_busy_frac'], "
+                       "feature['mem_used_frac'], mapContains(feature, 'net_rx_bytes_per_s'), event_count "
+                       "FROM features ORDER BY window_start").rows
+    assert len(rows) == 3  # window 4 (ts up to T0+3.5 s) is within lateness: still open
+    for w, (start_ms, busy, mem, has_net, count) in enumerate(rows):
+        assert start_ms == (T0 + w * SEC) // 10**6
+        b1, b2 = 0.1 * (2 * w + 1), 0.1 * (2 * w + 2)
+        assert busy == pytest.approx((b1 + b2) / (b1 + b2 + 0.8))
+        assert mem == pytest.approx(0.75)
+        assert has_net == 0  # no network metrics in the window: masked, not zero
+        assert count == 20
+    # messages of closed windows are acknowledged; those feeding the open window are not
+    assert acked == [0, 1, 2, 3, 4, 5]
+    raw = store.query("SELECT count() FROM raw_metrics").rows[0][0]
+    assert raw == 80
+
+
+def test_bad_messages_go_to_the_dlq_and_good_ones_still_arrive(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    good = [encode(host_batch(T0 + k * SEC, 0.2, 0.3)) for k in range(4)]
+    truncated = good[0][:-10]
+    future = bytearray(good[1])
+    future[4] = 99
+    feed(proc, [b"garbage: this is not a fleetscope batch", truncated, bytes(future), None] + good, acked)
+    proc.flush()
+    reasons = [r[0] for r in store.query("SELECT reason FROM dlq ORDER BY offset").rows]
+    assert len(reasons) == 4
+    assert "bad magic" in reasons[0] and "truncated" in reasons[1]
+    assert "newer than this worker supports" in reasons[2] and "no value" in reasons[3]
+    assert store.query("SELECT count() FROM features").rows[0][0] == 2
+    assert proc.stats.dlq == 4 and {0, 1, 2, 3} <= set(acked)
+
+
+def test_the_same_batch_delivered_twice_is_counted_once(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    msgs = [encode(host_batch(T0 + k * SEC, 0.2, 0.3)) for k in range(4)]
+    feed(proc, msgs[:2] + [msgs[1]] + msgs[2:], acked)
+    proc.flush()
+    assert proc.stats.duplicate_batches == 1
+    assert store.query("SELECT count() FROM raw_metrics").rows[0][0] == 40
+    assert store.query("SELECT max(event_count) FROM features").rows[0][0] == 10
+
+
+def test_restart_replays_unacknowledged_messages_without_loss_or_duplicates(store, tmp_path):
+    msgs = [encode(host_batch(T0 + k * SEC // 2, 0.1, 0.4)) for k in range(20)]
+    clock, acked = FakeClock(), []
+    first = make_processor(store, clock, tmp_path)
+    feed(first, msgs[:12], acked)
+    first.flush()
+    committed = max(o for o in range(len(acked) + 1) if list(range(o)) == sorted(acked)[:o])
+    # "crash": the first worker vanishes; a new one resumes from the committed offset
+    clock2, acked2 = FakeClock(), []
+    second = make_processor(store, clock2, tmp_path)
+    feed(second, msgs[committed:], acked2, start_offset=committed)
+    second.flush(force=True)
+    per_window = store.query("SELECT window_start, count() AS c, sum(event_count) FROM features "
+                             "GROUP BY window_start ORDER BY window_start").rows
+    assert len(per_window) == 10
+    assert all(c == 1 for _, c, _ in per_window)
+    assert all(events == 20 for _, _, events in per_window)
+    assert store.query("SELECT count() FROM raw_metrics").rows[0][0] == 200
+
+
+def test_idle_key_closes_on_wall_clock_without_new_events(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    feed(proc, [encode(host_batch(T0, 0.2, 0.3))], acked)
+    proc.flush()
+    assert store.query("SELECT count() FROM features").rows[0][0] == 0
+    clock.now += 31
+    proc.flush()
+    assert store.query("SELECT count() FROM features").rows[0][0] == 1
+    assert acked == [0]
+
+
+def test_late_events_are_counted_not_silently_dropped(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    feed(proc, [encode(host_batch(T0 + k * SEC, 0.2, 0.3)) for k in range(5)], acked)
+    proc.flush()
+    feed(proc, [encode(host_batch(T0, 0.2, 0.3))], acked, start_offset=5)
+    proc.flush()
+    assert proc.snapshot()["late_events"] == 10
