@@ -35,7 +35,7 @@ class Config:
     data_dir: Path = field(default_factory=default_data_dir)
     # Streams
     window_s: float = 1.0
-    allowed_lateness_s: float = 2.0
+    allowed_lateness_s: float = 1.0
     idle_close_s: float = 5.0  # wall-clock flush of a key that stopped sending
     consumer_group: str = "fleetscope-streams"
     # Agent

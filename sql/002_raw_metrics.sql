@@ -1,3 +1,5 @@
+-- ReplacingMergeTree: two rows with the same sort key can only be one event
+-- delivered twice (a re-sent batch), so merges fold them as a backstop.
 -- Raw metric samples (gauges and deltas) from every source, one row per event.
 -- ORDER BY follows the contract: low-cardinality tenant, job, then rank, then
 -- event time. Sinks pass the batch id as insert_deduplication_token, and the
@@ -18,9 +20,10 @@ CREATE TABLE IF NOT EXISTS {database}.raw_metrics
     device      LowCardinality(String),
     value       Float64,
     interval_ns Int64 COMMENT '0 for a gauge, else the span a delta covers',
-    batch_id    String
+    batch_id    String,
+    ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) COMMENT 'when the store accepted the row: ingest delay = ingested_at - ts'
 )
-ENGINE = MergeTree
+ENGINE = ReplacingMergeTree
 PARTITION BY toDate(ts)
 ORDER BY (tenant, job, rank, ts, metric, device)
 TTL toDateTime(ts) + INTERVAL {ttl_days} DAY

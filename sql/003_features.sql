@@ -1,3 +1,5 @@
+-- ReplacingMergeTree(emitted_at): if a rebalance ever lets two workers emit the
+-- same window, merges keep the newest. The worker itself never re-emits.
 -- One feature vector per (tenant, job, rank, host, event-time window).
 -- A feature that could not be computed (masked) is an absent key in
 -- `feature`, never a zero: zero is a real measurement.
@@ -15,7 +17,7 @@ CREATE TABLE IF NOT EXISTS {database}.features
     event_count     UInt32,
     emitted_at      DateTime64(3, 'UTC')
 )
-ENGINE = MergeTree
+ENGINE = ReplacingMergeTree(emitted_at)
 PARTITION BY toDate(window_start)
 ORDER BY (tenant, job, rank, window_start, host)
 TTL toDateTime(window_start) + INTERVAL {ttl_days} DAY
