@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import deque
 from dataclasses import replace
 
 from fleetscope.broker import EmbeddedBroker, die_with_parent
@@ -75,7 +76,7 @@ def _status_line(elapsed: float, agent, stats: dict | None, rate: float, lag) ->
     last = stats.get("last_window_end_ns") or 0
     last_s = time.strftime("%H:%M:%S", time.localtime(last / 1e9)) if last else "-"
     return (line + f" | streams: {rate:,.0f} events/s in, {stats['windows_out']:,} windows out (last {last_s}), "
-            f"lag {'?' if lag is None else lag}, DLQ {stats['dlq']}, late {stats['late_events']}")
+            f"lag {'?' if lag is None else lag} msgs, DLQ {stats['dlq']}, late {stats['late_events']}")
 
 
 def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) -> int:
@@ -84,6 +85,7 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) ->
     broker = None
     streams = None
     agent = None
+    agent_thread = None
     try:
         bootstrap = cfg.kafka
         if not bootstrap:
@@ -96,12 +98,16 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) ->
                                         "FLEETSCOPE_DATA_DIR": str(cfg.data_dir)},
                                    stdout=worker_log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         agent = build_agent(replace(cfg, kafka=bootstrap), bootstrap)
-        threading.Thread(target=agent.run, name="agent", daemon=True).start()
+        agent_thread = threading.Thread(target=agent.run, name="agent", daemon=True)
+        agent_thread.start()
+        print(f"fleetscope up: broker {bootstrap}" + (f" (embedded, pid {broker.pid})" if broker else "")
+              + f", streams worker pid {streams.pid}, store {cfg.clickhouse_url or cfg.data_dir / 'chdb'}."
+              + " Ctrl-C stops everything.", flush=True)
         _watch(cfg, agent, streams, bootstrap, duration_s, plain)
     except KeyboardInterrupt:
         pass
     finally:
-        _shutdown(agent, streams, broker)
+        _shutdown(agent, agent_thread, streams, broker)
     return 0 if streams is None or streams.returncode in (0, -signal.SIGTERM, None) else 1
 
 
@@ -111,7 +117,7 @@ def _watch(cfg, agent, streams, bootstrap, duration_s, plain) -> None:
     probe = LagProbe(bootstrap, cfg.consumer_group, [cfg.raw_topic(s) for s in ("host", "agent")])
     console = Console(stderr=False)
     start = time.monotonic()
-    prev_events, prev_t = 0, start
+    history: deque = deque(maxlen=6)  # (time, events_in): the rate is smoothed over ~5 s
     live = None if plain or not console.is_terminal else Live(console=console, refresh_per_second=4)
     if live:
         live.start()
@@ -125,8 +131,9 @@ def _watch(cfg, agent, streams, bootstrap, duration_s, plain) -> None:
             now = time.monotonic()
             rate = 0.0
             if stats is not None:
-                rate = (stats["events_in"] - prev_events) / max(now - prev_t, 1e-6)
-                prev_events, prev_t = stats["events_in"], now
+                history.append((now, stats["events_in"]))
+                (t0, e0), (t1, e1) = history[0], history[-1]
+                rate = (e1 - e0) / (t1 - t0) if t1 > t0 else 0.0
             line = _status_line(now - start, agent, stats, rate, probe.lag())
             if live:
                 live.update(line)
@@ -138,10 +145,11 @@ def _watch(cfg, agent, streams, bootstrap, duration_s, plain) -> None:
         probe.close()
 
 
-def _shutdown(agent, streams, broker) -> None:
+def _shutdown(agent, agent_thread, streams, broker) -> None:
     if agent is not None:
         agent.stop()
-        time.sleep(0.2)
+        if agent_thread is not None:
+            agent_thread.join(15)  # lets the publisher flush what it holds
     if streams is not None and streams.poll() is None:
         streams.send_signal(signal.SIGTERM)
         try:

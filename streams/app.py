@@ -27,6 +27,9 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
         topic_partitions=cfg.partitions,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=1.0,
+        # Open windows hold their messages unacknowledged on purpose; at stop,
+        # don't wait for them: they are replayed from the committed offset.
+        stream_wait_empty=False,
         # A worker killed without leaving the group holds its partitions until
         # its session times out; keep that short so a restart resumes quickly.
         broker_session_timeout=6.0, broker_heartbeat_interval=1.0, broker_rebalance_timeout=10.0,

@@ -1,0 +1,714 @@
+"""Pipeline throughput and latency: synthetic fleet -> embedded broker -> one streams worker -> chDB.
+
+Goals (issue 2):
+- the events/s that one worker sustains with zero loss;
+- that rate is at least 0.5x what a bare confluent-kafka consume loop reads
+  from the same broker, measured in the same run on the same messages;
+- p99 event -> row latency at 1 s windows is at most 3 s.
+
+What runs: tansu (EmbeddedBroker), one `python -m fleetscope streams`
+subprocess (its own chDB in a temporary data dir, its own topic prefix and
+consumer group), and, in this process, a paced confluent-kafka producer that
+plays a fleet of hosts. Each host sends `host`-source metric batches whose
+columns are exactly SOURCE_COLUMNS["host"]: one sample time per batch, one
+row per (metric, device), so every row's sort key is unique and the
+ReplacingMergeTree can never fold two of them.
+
+The target rate steps up; a step passes when, after producing stops, the
+worker's events_in reaches what the broker acknowledged within --keep-up-s
+and raw_metrics holds exactly that many rows for the step's hosts (each step
+uses fresh host names). Stepping stops at the first step that fails (and,
+with --refine, tries the midpoint once). Then a bare consumer reads the same
+messages back, and a short in-process section timing (same batch shape)
+shows where the worker's time per event goes.
+
+Writes benchmarks/results/pipeline.json. Only measured numbers go in it.
+Every process started here is stopped on exit, error or Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from fleetscope import config as config_mod  # noqa: E402
+from fleetscope.broker import EmbeddedBroker, die_with_parent  # noqa: E402
+from fleetscope.schema import NODE_TENANT, SOURCE_COLUMNS, node_identity, validate  # noqa: E402
+from fleetscope.store.endpoint import RemoteStore, endpoint_alive  # noqa: E402
+from fleetscope.topics import all_topics, ensure_topics  # noqa: E402
+from fleetscope.wire import Batch, StrColumn, decode, encode  # noqa: E402
+
+GOAL_RATIO = 0.5
+GOAL_P99_S = 3.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ---- the synthetic fleet ---------------------------------------------------------
+
+CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+NODE_METRICS = (("mem.total", 0), ("mem.available", 0), ("mem.anon", 0), ("mem.anon_huge", 0),
+                ("vm.pgfault", 1), ("vm.pgmajfault", 1), ("vm.numa_hit", 1), ("vm.numa_miss", 1),
+                ("cpu.context_switches", 1), ("irq.cpu_total", 1))
+
+
+def metric_catalogue(n: int) -> tuple[np.ndarray, tuple, np.ndarray, tuple, np.ndarray]:
+    """n distinct (metric, device) pairs shaped like a big host's sampler output:
+    node-wide gauges and counters, then per-CPU time deltas, then NIC/disk deltas."""
+    pairs: list[tuple[str, str, int]] = [(m, "all", d) for m, d in NODE_METRICS]
+    pairs += [(f"cpu.{s}", "all", 1) for s in CPU_STATES]
+    cpu = 0
+    while len(pairs) < n:
+        for dev_metric in ([(f"cpu.{s}", f"cpu{cpu}") for s in CPU_STATES]
+                           + [("net.rx_bytes", f"eth{cpu}"), ("net.tx_bytes", f"eth{cpu}"),
+                              ("disk.read_bytes", f"nvme{cpu}n1"), ("disk.write_bytes", f"nvme{cpu}n1")]):
+            pairs.append((*dev_metric, 1))
+        cpu += 1
+    pairs = pairs[:n]
+    metrics = tuple(sorted({p[0] for p in pairs}))
+    devices = tuple(sorted({p[1] for p in pairs}))
+    m_idx = {m: i for i, m in enumerate(metrics)}
+    d_idx = {d: i for i, d in enumerate(devices)}
+    m_codes = np.array([m_idx[p[0]] for p in pairs], dtype=np.uint32)
+    d_codes = np.array([d_idx[p[1]] for p in pairs], dtype=np.uint32)
+    is_delta = np.array([p[2] for p in pairs], dtype=bool)
+    return m_codes, metrics, d_codes, devices, is_delta
+
+
+class Fleet:
+    """Synthetic hosts; each batch is one sample tick of one host at the real current time."""
+
+    def __init__(self, prefix: str, n_hosts: int, events_per_batch: int, seed: int = 7):
+        self.hosts = [f"{prefix}{i:02d}" for i in range(n_hosts)]
+        self.n = events_per_batch
+        m_codes, metrics, d_codes, devices, is_delta = metric_catalogue(events_per_batch)
+        self.metric, self.device = StrColumn(m_codes, metrics), StrColumn(d_codes, devices)
+        self.rng = np.random.default_rng(seed)
+        self.values = self.rng.random((64, self.n)) * 1e6  # a few value sets, reused
+        self.identity = {h: node_identity(h, self.n) for h in self.hosts}
+        self.last_ts = {h: 0 for h in self.hosts}
+        self.interval_ns = {}
+        self.is_delta = is_delta
+        self._i = 0
+
+    def next_batch(self) -> Batch:
+        host = self.hosts[self._i % len(self.hosts)]
+        ts = time.time_ns()
+        prev = self.last_ts[host] or ts - 10**9
+        ts = max(ts, prev + 1)  # strictly increasing per host: unique sort keys
+        self.last_ts[host] = ts
+        cols = {"ts_ns": np.full(self.n, ts, dtype="<i8"), **self.identity[host],
+                "metric": self.metric, "device": self.device,
+                "value": self.values[self._i % len(self.values)],
+                "interval_ns": np.where(self.is_delta, ts - prev, 0).astype("<i8")}
+        self._i += 1
+        assert set(cols) == set(SOURCE_COLUMNS["host"])
+        return Batch("host", host, cols, created_ns=ts)
+
+
+# ---- processes: the worker, CPU/RSS probes ------------------------------------------------
+
+class Worker:
+    def __init__(self, env: dict, data_dir: Path):
+        self.env, self.data_dir = env, data_dir
+        self.log_path = data_dir / "streams.log"
+        self.proc: subprocess.Popen | None = None
+        self.store: RemoteStore | None = None
+
+    def start(self, timeout_s: float = 90.0) -> "Worker":
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleetscope", "streams"], env=self.env, cwd=ROOT,
+                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
+                                     preexec_fn=die_with_parent)  # own process group, dies with us
+        deadline = time.monotonic() + timeout_s
+        while not endpoint_alive(self.data_dir):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"streams worker did not come up; log tail:\n{self.tail()}")
+            time.sleep(0.2)
+        self.store = RemoteStore(self.data_dir, timeout=60)
+        return self
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stats(self) -> dict:
+        if not self.alive():
+            raise RuntimeError(f"streams worker died (code {self.proc.returncode}); log tail:\n{self.tail()}")
+        return self.store.stats()
+
+    def query(self, sql: str, params: dict | None = None) -> list[tuple]:
+        return self.store.query(sql, params).rows
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()  # after comm: state, ppid, pgrp, ...
+    except (OSError, IndexError):
+        return None
+
+
+def group_pids(pgid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            f = _stat_fields(int(name))
+            if f and int(f[2]) == pgid:
+                out.append(int(name))
+    return out
+
+
+class ProcProbe:
+    """CPU seconds (utime+stime, all threads) and RSS of a set of processes."""
+
+    def __init__(self, name: str, pids_fn):
+        self.name, self.pids_fn = name, pids_fn
+        self.pids = pids_fn()
+
+    def cpu_s(self) -> float:
+        ticks = 0
+        for pid in self.pids:
+            f = _stat_fields(pid)
+            if f:
+                ticks += int(f[11]) + int(f[12])
+        return ticks / CLK_TCK
+
+    def rss_mb(self) -> float:
+        kb = 0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            kb += int(line.split()[1])
+            except OSError:
+                pass
+        return kb / 1024
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies over all CPUs, from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    idle = vals[3] + vals[4]
+    return sum(vals) - idle, sum(vals)
+
+
+class ResourceWindow:
+    """CPU % (100 = one core) and RSS of each probe between start() and stop()."""
+
+    def __init__(self, probes: list[ProcProbe]):
+        self.probes = probes
+
+    def start(self) -> None:
+        self.t = time.monotonic()
+        self.cpu0 = {p.name: p.cpu_s() for p in self.probes}
+        self.mach0 = machine_busy()
+        self.rss_max = {p.name: p.rss_mb() for p in self.probes}
+
+    def sample(self) -> None:
+        for p in self.probes:
+            self.rss_max[p.name] = max(self.rss_max[p.name], p.rss_mb())
+
+    def stop(self) -> dict:
+        dt = time.monotonic() - self.t
+        busy1, total1 = machine_busy()
+        out = {p.name: {"cpu_pct": round(100 * (p.cpu_s() - self.cpu0[p.name]) / dt, 1),
+                        "rss_mb_max": round(self.rss_max[p.name], 1), "rss_mb_end": round(p.rss_mb(), 1)}
+               for p in self.probes}
+        cores = os.cpu_count() or 1
+        out["machine_busy_pct_of_all_cores"] = round(100 * (busy1 - self.mach0[0]) / max(total1 - self.mach0[1], 1), 1)
+        out["machine_cores"] = cores
+        return out
+
+
+# ---- one step: produce at a target rate, then check drain, rows, latency ---------------
+
+def make_producer(bootstrap: str):
+    from confluent_kafka import Producer
+    return Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
+                     "linger.ms": 5, "queue.buffering.max.messages": 100_000,
+                     "client.id": "pipeline-bench", "log.connection.close": False})
+
+
+class Delivery:
+    def __init__(self):
+        self.events = self.messages = self.errors = 0
+
+    def callback(self, count: int):
+        def done(err, _msg):
+            if err is None:
+                self.events += count
+                self.messages += 1
+            else:
+                self.errors += 1
+        return done
+
+
+def produce_paced(producer, topic: str, fleet: Fleet, rate: float, duration_s: float, tick) -> dict:
+    """Produce `rate` events/s for duration_s; call tick(elapsed, enqueued) about once a second."""
+    delivery = Delivery()
+    enqueued = 0
+    encode_s = 0.0
+    start = time.monotonic()
+    next_tick = 1.0
+    while True:
+        elapsed = time.monotonic() - start
+        if elapsed >= duration_s:
+            break
+        due = int(rate * elapsed) - enqueued
+        while due >= fleet.n:
+            t = time.perf_counter()
+            batch = fleet.next_batch()
+            value = encode(batch)
+            encode_s += time.perf_counter() - t
+            while True:
+                try:
+                    producer.produce(topic, key=f"{NODE_TENANT}/{batch.host}".encode(), value=value,
+                                     headers=batch.kafka_headers(), on_delivery=delivery.callback(batch.count))
+                    break
+                except BufferError:
+                    producer.poll(0.01)
+            enqueued += batch.count
+            due -= fleet.n
+        producer.poll(0)
+        if elapsed >= next_tick:
+            tick(elapsed, enqueued, delivery)
+            next_tick += 1.0
+        time.sleep(0.001)
+    produce_s = time.monotonic() - start
+    unflushed = producer.flush(60)
+    return {"delivery": delivery, "enqueued": enqueued, "produce_s": produce_s, "encode_s": encode_s,
+            "unflushed": unflushed, "stopped_at_wall_ns": time.time_ns(), "stopped_at": time.monotonic()}
+
+
+def raw_latency(worker: Worker, job_prefix: str) -> dict:
+    rows = worker.query(
+        "SELECT count(), uniqExact(batch_id), "
+        "quantilesExact(0.5, 0.9, 0.99, 1)(toUnixTimestamp64Milli(ingested_at) - intDiv(toUnixTimestamp64Nano(ts), 1000000)) "
+        "FROM raw_metrics WHERE tenant = {t:String} AND startsWith(job, {p:String})",
+        {"t": NODE_TENANT, "p": job_prefix})
+    count, batches, q = rows[0]
+    return {"rows": int(count), "batches": int(batches),
+            "event_to_raw_row_ms": dict(zip(("p50", "p90", "p99", "max"), [int(v) for v in q])) if count else None}
+
+
+def feature_latency(worker: Worker, job_prefix: str, steady_cut_ms: int) -> dict:
+    """Windows that closed by watermark while the step ran ("steady"), and the tail windows that
+    closed by the idle timer after the fleet went quiet (their latency includes idle_close_s)."""
+    out = {}
+    for name, cond in (("steady", "<="), ("tail_idle_closed", ">")):
+        rows = worker.query(
+            "SELECT count(), sum(event_count), "
+            "quantilesExact(0.5, 0.99, 1)(toUnixTimestamp64Milli(emitted_at) - toUnixTimestamp64Milli(window_end)), "
+            "quantilesExact(0.5, 0.99, 1)(toUnixTimestamp64Milli(emitted_at) - toUnixTimestamp64Milli(window_start)) "
+            "FROM features WHERE tenant = {t:String} AND startsWith(job, {p:String}) "
+            f"AND toUnixTimestamp64Milli(window_end) {cond} {{cut:Int64}}",
+            {"t": NODE_TENANT, "p": job_prefix, "cut": steady_cut_ms})
+        n, events, q_end, q_start = rows[0]
+        keys = ("p50", "p99", "max")
+        out[name] = {"windows": int(n), "events": int(events or 0),
+                     "window_end_to_feature_row_ms": dict(zip(keys, map(int, q_end))) if n else None,
+                     "event_at_window_start_to_feature_row_ms": dict(zip(keys, map(int, q_start))) if n else None}
+    return out
+
+
+def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, bootstrap: str, topic: str,
+             producer, worker: Worker, probes: list[ProcProbe], lag_probe, label: str) -> dict:
+    job_prefix = f"{run_id}-s{idx:02d}-h"
+    fleet = Fleet(job_prefix, args.hosts, args.events_per_batch, seed=idx)
+    base = worker.stats()
+    res = ResourceWindow(probes)
+    res.start()
+    timeline = []
+
+    def tick(elapsed, enqueued, delivery):
+        s = worker.stats()
+        res.sample()
+        timeline.append((round(elapsed, 2), enqueued, s["events_in"] - base["events_in"]))
+
+    log(f"{label}: target {rate:,.0f} events/s for {duration_s:.0f}s ({args.hosts} hosts, "
+        f"{args.events_per_batch} events/batch)")
+    p = produce_paced(producer, topic, fleet, rate, duration_s, tick)
+    resources = res.stop()
+    delivered = p["delivery"].events
+    at_stop = worker.stats()
+    lag_events_at_stop = delivered - (at_stop["events_in"] - base["events_in"])
+    committed_lag_msgs_at_stop = lag_probe.lag()
+
+    # drain: events_in reaches what the broker acknowledged
+    caught_up_s = None
+    deadline = p["stopped_at"] + args.max_drain_s
+    while time.monotonic() < deadline:
+        s = worker.stats()
+        if s["events_in"] - base["events_in"] >= delivered:
+            caught_up_s = time.monotonic() - p["stopped_at"]
+            break
+        time.sleep(0.1)
+    # zero loss: raw_metrics holds exactly the acknowledged events for this step's hosts
+    rows_s, raw = None, {"rows": 0}
+    while time.monotonic() < deadline + 10:
+        raw = raw_latency(worker, job_prefix)
+        if raw["rows"] >= delivered:
+            rows_s = time.monotonic() - p["stopped_at"]
+            break
+        time.sleep(0.25)
+    committed_drain_s, lag = None, None
+    while time.monotonic() < deadline + 10:
+        lag = lag_probe.lag()
+        if lag == 0:
+            committed_drain_s = time.monotonic() - p["stopped_at"]
+            break
+        time.sleep(0.25)
+    # let the idle timer close the tail windows, then read the feature latencies
+    wait_tail = p["stopped_at"] + args.idle_close_s + 1.5 - time.monotonic()
+    if wait_tail > 0:
+        time.sleep(wait_tail)
+    end = worker.stats()
+    # windows that ended a window + lateness before production stopped closed by watermark
+    steady_cut_ms = p["stopped_at_wall_ns"] // 10**6 - int((args.window_s + args.lateness_s) * 1000)
+    features = feature_latency(worker, job_prefix, steady_cut_ms)
+
+    achieved = p["enqueued"] / p["produce_s"]
+    worker_rates = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(timeline, timeline[1:]) if b[0] > a[0]]
+    producer_limited = achieved < 0.95 * rate
+    kept_up = caught_up_s is not None and caught_up_s <= args.keep_up_s
+    loss = delivered - raw["rows"]
+    counters = {k: end[k] - base[k] for k in ("messages_in", "events_in", "dlq", "duplicate_batches", "windows_out",
+                                              "flushes", "store_errors", "late_events", "replayed_events")}
+    step = {
+        "label": label, "target_events_per_s": rate, "duration_s": round(p["produce_s"], 2),
+        "produced_events_per_s": round(achieved), "producer_limited": producer_limited,
+        "hosts": args.hosts, "events_per_batch": args.events_per_batch,
+        "messages_acked": p["delivery"].messages, "events_acked": delivered,
+        "delivery_errors": p["delivery"].errors, "unflushed_after_60s": p["unflushed"],
+        "producer_encode_s": round(p["encode_s"], 2),
+        "worker_events_in": counters["events_in"],
+        "worker_events_per_s_1s_max": round(max(worker_rates)) if worker_rates else None,
+        "worker_events_per_s_over_step_and_drain": (round(delivered / (p["produce_s"] + caught_up_s))
+                                                    if caught_up_s is not None else None),
+        "lag_events_max_during": max((t[1] - t[2] for t in timeline), default=None),
+        "lag_events_at_stop": lag_events_at_stop,
+        "committed_lag_messages_at_stop": committed_lag_msgs_at_stop,
+        "caught_up_after_stop_s": None if caught_up_s is None else round(caught_up_s, 2),
+        "all_rows_stored_after_stop_s": None if rows_s is None else round(rows_s, 2),
+        "committed_lag_zero_after_stop_s": None if committed_drain_s is None else round(committed_drain_s, 2),
+        "committed_lag_messages_end": lag,
+        "raw_rows": raw["rows"], "raw_batches": raw.get("batches"), "loss_events": loss,
+        "latency": {"event_to_raw_row_ms": raw.get("event_to_raw_row_ms"), "features": features},
+        "worker_counters": counters, "flush_events_mean": round(counters["events_in"] / max(counters["flushes"], 1)),
+        "unacked_messages_end": end.get("unacked_messages"), "open_windows_end": end.get("open_windows"),
+        "resources": resources,
+        "kept_up": kept_up, "zero_loss": loss == 0 and p["delivery"].errors == 0 and delivered > 0,
+    }
+    step["sustained"] = step["kept_up"] and step["zero_loss"]
+    lat = raw.get("event_to_raw_row_ms") or {}
+    log(f"{label}: produced {achieved:,.0f}/s, acked {delivered:,} events; caught up "
+        f"{'never' if caught_up_s is None else f'{caught_up_s:.1f}s'} after stop; rows {raw['rows']:,} "
+        f"(loss {loss}); raw p99 {lat.get('p99')} ms; worker {resources['worker']['cpu_pct']}% CPU, "
+        f"broker {resources['broker']['cpu_pct']}%, machine {resources['machine_busy_pct_of_all_cores']}% "
+        f"-> {'SUSTAINED' if step['sustained'] else 'not sustained'}")
+    return step
+
+
+# ---- the bare consumer -------------------------------------------------------------
+
+def bare_consume(bootstrap: str, topic: str, partitions: int, expect_msgs: int, events_per_msg: int,
+                 passes: int) -> dict:
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+    runs = []
+    for i in range(passes):
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bare-{uuid.uuid4().hex[:8]}",
+                      "enable.auto.commit": False, "fetch.wait.max.ms": 5, "fetch.min.bytes": 1,
+                      "fetch.error.backoff.ms": 5, "log.connection.close": False})
+        try:
+            c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+            n = nbytes = 0
+            t = time.perf_counter()
+            deadline = time.monotonic() + 60
+            while n < expect_msgs and time.monotonic() < deadline:
+                for m in c.consume(num_messages=1000, timeout=0.5):
+                    if m.error() is None:
+                        n += 1
+                        nbytes += len(m.value())
+            dt = time.perf_counter() - t
+        finally:
+            c.close()
+        runs.append({"messages": n, "mb": round(nbytes / 2**20, 1), "seconds": round(dt, 3),
+                     "events_per_s": round(n * events_per_msg / dt), "messages_per_s": round(n / dt)})
+        log(f"bare consumer pass {i + 1}: {n:,} messages in {dt:.2f}s = {n * events_per_msg / dt:,.0f} events/s")
+    best = max(runs, key=lambda r: r["events_per_s"])
+    return {"passes": runs, "events_per_s_best": best["events_per_s"],
+            "events_per_s_median": int(np.median([r["events_per_s"] for r in runs])),
+            "complete": all(r["messages"] >= expect_msgs for r in runs)}
+
+
+# ---- where the worker's time goes, same batch shape, in this process ------------------------
+
+def section_timings(args, flush_events: int) -> dict:
+    """Per-event cost of each stage the worker runs, on this process's one core; the sum predicts
+    one worker's ceiling without Faust or Kafka. Uses a throwaway chDB dir (this process holds no other)."""
+    from streams.features import window_features
+    from streams.sinks import RawSink
+    from streams.windows import WindowAssembler
+    fleet = Fleet("sections-h", args.hosts, args.events_per_batch)
+    n_batches = max(int(flush_events / args.events_per_batch), len(fleet.hosts))
+    payloads = [(encode(b), b.kafka_headers()) for b in (fleet.next_batch() for _ in range(n_batches))]
+    events = n_batches * args.events_per_batch
+    out = {"batches": n_batches, "events": events}
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    batches = [decode(v, h) for v, h in payloads]
+    out["decode_validate_us_per_event"] = timed(lambda: [validate(decode(v, h)) for v, h in payloads]) / events * 1e6
+    wa_holder = {}
+
+    def fold():
+        wa = WindowAssembler(args.window_s, args.lateness_s, 5.0)
+        for b in batches:
+            wa.add(b, object())
+        wa_holder["wa"] = wa
+    out["windows_add_us_per_event"] = timed(fold) / events * 1e6
+    windows = list(wa_holder["wa"].open.values())
+    out["window_features_us_per_event"] = timed(lambda: [window_features(w) for w in windows]) / events * 1e6
+    out["raw_rows_build_us_per_event"] = timed(lambda: RawSink._metric_rows(batches)) / events * 1e6
+    try:
+        from fleetscope.store.chdb_store import ChdbStore
+        d = Path(tempfile.mkdtemp(prefix="fs-bench-sections-"))
+        try:
+            store = ChdbStore(d / "chdb", "fleetscope", 7)
+            store.migrate()
+            rows = RawSink._metric_rows(batches)
+            i = iter(range(10**6))
+            out["chdb_raw_insert_us_per_event"] = timed(
+                lambda: store.insert("raw_metrics", rows, dedupe_token=f"s{next(i)}")) / events * 1e6
+            store.close()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    except Exception as exc:  # report, never fail the run for the optional part
+        out["chdb_raw_insert_error"] = str(exc)
+    stage_keys = [k for k in out if k.endswith("_us_per_event")]
+    total = sum(out[k] for k in stage_keys)
+    out = {k: (round(v, 3) if k.endswith("_us_per_event") else v) for k, v in out.items()}
+    out["sum_us_per_event"] = round(total, 3)
+    out["predicted_single_core_ceiling_events_per_s"] = round(1e6 / total) if total else None
+    out["share_of_sum"] = {k: round(out[k] / total, 3) for k in stage_keys} if total else {}
+    return out
+
+
+# ---- main ------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="20000,50000,100000,200000,400000",
+                    help="target events/s steps, comma-separated (default: %(default)s)")
+    ap.add_argument("--step-s", type=float, default=15.0, help="seconds of production per step")
+    ap.add_argument("--hosts", type=int, default=16, help="simulated hosts per step (each its own job key)")
+    ap.add_argument("--events-per-batch", type=int, default=500, help="events per Kafka message")
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--window-s", type=float, default=1.0)
+    ap.add_argument("--keep-up-s", type=float, default=3.0,
+                    help="a step keeps up when events_in reaches the acked count within this many s after stop")
+    ap.add_argument("--max-drain-s", type=float, default=25.0, help="give up waiting for a backlog after this")
+    ap.add_argument("--refine", type=int, default=1, help="midpoint steps between the last pass and first fail")
+    ap.add_argument("--warmup-s", type=float, default=4.0)
+    ap.add_argument("--bare-passes", type=int, default=3)
+    ap.add_argument("--no-sections", action="store_true", help="skip the in-process section timing")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="no new step starts after this much time")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
+    ap.add_argument("--keep-data", action="store_true", help="keep the temp data dir (worker log, chDB)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    run_id = f"pb{uuid.uuid4().hex[:6]}"
+    data_dir = Path(tempfile.mkdtemp(prefix="fs-pipeline-bench-"))
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(data_dir), "FLEETSCOPE_TOPIC_PREFIX": run_id,
+           "FLEETSCOPE_CONSUMER_GROUP": f"{run_id}-streams", "FLEETSCOPE_PARTITIONS": str(args.partitions),
+           "FLEETSCOPE_WINDOW_S": str(args.window_s)}
+    env.pop("FLEETSCOPE_ALLOWED_LATENESS_S", None)  # the default lateness, as shipped
+    env.pop("FLEETSCOPE_CONFIG", None)
+    env.pop("FLEETSCOPE_CLICKHOUSE_URL", None)
+    broker = worker = producer = lag_probe = None
+
+    def on_term(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+
+    result: dict = {"benchmark": "pipeline", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                    "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "machine": {"nproc": os.cpu_count(), "sched_affinity_cpus": len(os.sched_getaffinity(0)),
+                                "python": platform.python_version(), "loadavg_at_start": list(os.getloadavg())},
+                    "goals": {"ratio_to_bare_consumer_min": GOAL_RATIO, "p99_event_to_row_s_max": GOAL_P99_S,
+                              "loss": 0}}
+    try:
+        broker = EmbeddedBroker(log_path=data_dir / "broker.log").start()
+        env["FLEETSCOPE_KAFKA"] = broker.bootstrap
+        cfg = config_mod.load(env=env)
+        args.lateness_s, args.idle_close_s = cfg.allowed_lateness_s, cfg.idle_close_s
+        ensure_topics(broker.bootstrap, all_topics(cfg), cfg.partitions)
+        topic = cfg.raw_topic("host")
+        result["config"] = {"hosts": args.hosts, "events_per_batch": args.events_per_batch,
+                            "partitions": cfg.partitions, "window_s": cfg.window_s,
+                            "allowed_lateness_s": cfg.allowed_lateness_s, "idle_close_s": cfg.idle_close_s,
+                            "step_s": args.step_s, "keep_up_s": args.keep_up_s, "rates": rates,
+                            "broker": "tansu (EmbeddedBroker, memory storage, loopback)",
+                            "bytes_per_message": len(encode(Fleet("x", 1, args.events_per_batch).next_batch()))}
+        log(f"broker on {broker.bootstrap} (pid {broker.pid}); starting the streams worker, data dir {data_dir}")
+        worker = Worker(env, data_dir).start()
+        log(f"worker up (pid {worker.proc.pid})")
+        from fleetscope.up import LagProbe
+        lag_probe = LagProbe(broker.bootstrap, cfg.consumer_group, [topic])
+        producer = make_producer(broker.bootstrap)
+        probes = [ProcProbe("worker", lambda: group_pids(worker.proc.pid)),
+                  ProcProbe("broker", lambda: [broker.pid]),
+                  ProcProbe("bench_producer", lambda: [os.getpid()])]
+        # warm-up: the consumer group joins, the first keys' store look-ups happen
+        warm = run_step(args, 0, 5 * args.events_per_batch * args.hosts / 4, args.warmup_s, run_id,
+                        broker.bootstrap, topic, producer, worker, probes, lag_probe, "warmup")
+        result["warmup"] = {k: warm[k] for k in ("produced_events_per_s", "events_acked", "raw_rows", "loss_events",
+                                                 "caught_up_after_stop_s")}
+        steps: list[dict] = []
+        queue = list(rates)
+        refine_left = args.refine
+        last_pass = None
+        idx = 0
+        while queue:
+            rate = queue.pop(0)
+            if time.monotonic() - T0 > args.budget_s:
+                log(f"time budget of {args.budget_s:.0f}s spent: no step at {rate:,.0f}/s")
+                result["stopped_by_budget"] = True
+                break
+            idx += 1
+            step = run_step(args, idx, rate, args.step_s, run_id, broker.bootstrap, topic, producer, worker,
+                            probes, lag_probe, f"step {idx}")
+            steps.append(step)
+            if step["sustained"] and not step["producer_limited"]:
+                last_pass = step
+                continue
+            if step["sustained"]:  # the producer, not the pipeline, fell short: higher targets mean nothing here
+                last_pass = step
+                log("the producer could not reach the target: stopping the steps")
+                break
+            backlog_left = step["caught_up_after_stop_s"] is None or step["all_rows_stored_after_stop_s"] is None
+            if refine_left and last_pass is not None and not backlog_left:
+                refine_left -= 1
+                queue = [round((last_pass["target_events_per_s"] * rate) ** 0.5, -3)]
+                log(f"refining: one step at {queue[0]:,.0f}/s")
+            else:
+                queue = []
+        result["steps"] = steps
+        passed = [s for s in steps if s["sustained"]]
+        best = max(passed, key=lambda s: s["produced_events_per_s"]) if passed else None
+        result["sustained_events_per_s"] = best["produced_events_per_s"] if best else None
+        result["sustained_step"] = best["label"] if best else None
+        failed = [s for s in steps if not s["sustained"]]
+        result["first_failing_target_events_per_s"] = failed[0]["target_events_per_s"] if failed else None
+        result["worker_max_events_per_s_observed"] = max(
+            (s["worker_events_per_s_1s_max"] or 0 for s in steps), default=None)
+
+        # the bare consumer reads the same messages (all steps) from the same broker
+        lag_probe.close()
+        lag_probe = None
+        total_msgs = warm["messages_acked"] + sum(s["messages_acked"] for s in steps)
+        log(f"bare consumer: {total_msgs:,} messages of {args.events_per_batch} events on {topic}")
+        bare = bare_consume(broker.bootstrap, topic, cfg.partitions, total_msgs, args.events_per_batch,
+                            args.bare_passes)
+        result["bare_consumer"] = bare
+        ratio = (best["produced_events_per_s"] / bare["events_per_s_best"]) if best and bare["events_per_s_best"] else None
+        result["ratio_to_bare_consumer"] = None if ratio is None else round(ratio, 4)
+        if best:
+            lat = best["latency"]
+            raw_p99 = (lat["event_to_raw_row_ms"] or {}).get("p99")
+            steady = lat["features"]["steady"]
+            feat_end = steady["window_end_to_feature_row_ms"] or {}
+            feat_start = steady["event_at_window_start_to_feature_row_ms"] or {}
+            result["at_sustained_rate"] = {
+                "event_to_raw_row_ms": lat["event_to_raw_row_ms"],
+                "event_to_feature_row_ms_best_case_event_at_window_end": feat_end or None,
+                "event_to_feature_row_ms_worst_case_event_at_window_start": feat_start or None,
+                "resources": best["resources"]}
+            result["goals_met"] = {
+                "zero_loss_at_sustained_rate": best["zero_loss"],
+                "ratio_to_bare_consumer": ratio is not None and ratio >= GOAL_RATIO,
+                "p99_event_to_raw_row_le_3s": raw_p99 is not None and raw_p99 <= GOAL_P99_S * 1000,
+                "p99_event_to_feature_row_worst_case_le_3s": (feat_start.get("p99") is not None
+                                                              and feat_start["p99"] <= GOAL_P99_S * 1000)}
+        else:
+            result["goals_met"] = {"zero_loss_at_sustained_rate": False, "ratio_to_bare_consumer": False,
+                                   "p99_event_to_raw_row_le_3s": False,
+                                   "p99_event_to_feature_row_worst_case_le_3s": False}
+        result["worker_log_tail"] = [line for line in worker.tail(4000).splitlines()
+                                     if "ERROR" in line or "Traceback" in line][-10:]
+    finally:
+        if lag_probe is not None:
+            lag_probe.close()
+        if producer is not None:
+            producer.flush(5)
+        if worker is not None:
+            worker.stop()
+        if broker is not None:
+            broker.stop()
+        log("worker and broker stopped")
+        if not args.keep_data:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        else:
+            log(f"kept {data_dir}")
+    if not args.no_sections:
+        best_flush = max((s["flush_events_mean"] for s in result.get("steps", []) if s["sustained"]), default=50_000)
+        log(f"section timing (in this process, {best_flush:,} events per flush as in the sustained step)")
+        result["sections"] = section_timings(args, best_flush)
+        log(f"sections: {json.dumps(result['sections'])}")
+    result["elapsed_s"] = round(time.monotonic() - T0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"sustained {result.get('sustained_events_per_s')} events/s; bare {result['bare_consumer']['events_per_s_best']:,} "
+        f"events/s; ratio {result.get('ratio_to_bare_consumer')}; goals {result['goals_met']}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

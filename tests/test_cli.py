@@ -1,0 +1,90 @@
+"""The commands as a user runs them: `fleetscope up`, `query` from another terminal, `db migrate`."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+CLI = [sys.executable, "-m", "fleetscope"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_shows_live_windows_serves_queries_and_ctrl_c_leaves_nothing_running(tmp_path):
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_TOPIC_PREFIX": "cli"}
+    env.pop("FLEETSCOPE_KAFKA", None)
+    up = subprocess.Popen(CLI + ["up", "--plain"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    lines: list[tuple[float, str]] = []
+    start = time.monotonic()
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic() - start, l)) for l in up.stdout])
+    reader.start()
+    try:
+        deadline = start + 40
+        first_window_at = None
+        while time.monotonic() < deadline and first_window_at is None:
+            for t, line in list(lines):
+                m = re.search(r"([\d,]+) windows out", line)
+                if m and int(m.group(1).replace(",", "")) > 0:
+                    first_window_at = t
+            time.sleep(0.2)
+        assert first_window_at is not None, "".join(l for _, l in lines)
+        # startup (broker, Faust group join) counts too; the issue asks for windows within 10 s
+        assert first_window_at <= 10.0, f"first window after {first_window_at:.1f}s"
+        banner = next(l for _, l in lines if l.startswith("fleetscope up:"))
+        broker_pid = int(re.search(r"embedded, pid (\d+)", banner).group(1))
+        streams_pid = int(re.search(r"streams worker pid (\d+)", banner).group(1))
+
+        # another terminal: chDB is held by the worker, so this must go through its endpoint
+        q = subprocess.run(CLI + ["query", "SELECT count() AS n FROM features WHERE job = {h:String}",
+                                  "--param", f"h={os.uname().nodename}", "--format", "tsv"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert q.returncode == 0, q.stderr
+        assert q.stdout.splitlines()[0] == "n" and int(q.stdout.splitlines()[1]) >= 1
+    finally:
+        up.send_signal(signal.SIGINT)  # Ctrl-C
+        up.wait(60)
+        reader.join(5)
+    assert up.returncode == 0, "".join(l for _, l in lines)[-3000:]
+    for pid in (broker_pid, streams_pid):
+        assert not alive(pid), f"pid {pid} still running after Ctrl-C"
+    assert not (tmp_path / "endpoint.json").exists()
+
+
+def test_query_with_no_running_stack_opens_the_store_directly(tmp_path):
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path)}
+    m = subprocess.run(CLI + ["db", "migrate"], env=env, capture_output=True, text=True, timeout=120)
+    assert m.returncode == 0 and "applied" in m.stdout, m.stderr
+    again = subprocess.run(CLI + ["db", "migrate"], env=env, capture_output=True, text=True, timeout=120)
+    assert "up to date" in again.stdout
+    q = subprocess.run(CLI + ["query", "SELECT count() FROM dlq", "--format", "json"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0 and '"count()": 0' in q.stdout, q.stderr
+
+
+def test_bad_sql_is_a_clear_error_not_a_traceback(tmp_path):
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path)}
+    q = subprocess.run(CLI + ["query", "SELEC nonsense"], env=env, capture_output=True, text=True, timeout=120)
+    assert q.returncode == 1
+    assert "query failed" in q.stderr and "Traceback" not in q.stderr
+
+
+def test_agent_without_kafka_explains_what_to_do(tmp_path):
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path)}
+    env.pop("FLEETSCOPE_KAFKA", None)
+    r = subprocess.run(CLI + ["agent"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "FLEETSCOPE_KAFKA" in r.stderr and "fleetscope up" in r.stderr
