@@ -306,6 +306,15 @@ def test_diskstats_skips_virtual_devices_and_reports_bytes_from_512_byte_sectors
     assert got[("disk.io_ms", "nvme0n1")] == 250
 
 
+def test_diskstats_leaves_out_partitions_so_disk_totals_are_not_doubled(tmp_path):
+    write(tmp_path, "sys/class/block/nvme0n1p1/partition", "1\n")  # how sysfs marks a partition
+    write(tmp_path, "diskstats", DISK.format(r=100, rs=800, w=50, ws=400, io=1000))
+    c = DiskstatsCollector(proc_root=tmp_path, sys_root=tmp_path / "sys")
+    c.collect(1 * SEC)
+    write(tmp_path, "diskstats", DISK.format(r=110, rs=808, w=70, ws=440, io=1250))
+    assert {d for _, d in by_key(c.collect(2 * SEC))} == {"nvme0n1"}
+
+
 # ---------------------------------------------------------------- numastat
 
 def numastat(hit: int) -> str:

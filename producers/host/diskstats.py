@@ -1,6 +1,8 @@
 """Block-device I/O counters from /proc/diskstats."""
 from __future__ import annotations
 
+import os
+
 from producers.host.collector import Collector, CounterDeltas, Sample, register
 
 # Virtual devices whose I/O is memory traffic, not disk traffic.
@@ -21,6 +23,9 @@ class DiskstatsCollector(Collector):
         super().__init__(proc_root, sys_root)
         self._deltas = CounterDeltas()
 
+    def _is_partition(self, name: str) -> bool:
+        return os.path.exists(os.path.join(self.sys_root, "class", "block", name, "partition"))
+
     def collect(self, now_ns: int) -> list[Sample]:
         text = self.read_text(self.proc("diskstats"))
         if text is None:
@@ -31,6 +36,8 @@ class DiskstatsCollector(Collector):
             if len(parts) < 13 or parts[2].startswith(_SKIP_PREFIXES):
                 continue
             name, fields = parts[2], parts[3:]
+            if self._is_partition(name):
+                continue  # its I/O is already in its disk's line; summing both would count it twice
             try:
                 for metric, (i, scale) in _COLUMNS.items():
                     # Scale before differencing is fine: deltas are linear.
