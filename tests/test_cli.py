@@ -88,3 +88,26 @@ def test_agent_without_kafka_explains_what_to_do(tmp_path):
     env.pop("FLEETSCOPE_KAFKA", None)
     r = subprocess.run(CLI + ["agent"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "FLEETSCOPE_KAFKA" in r.stderr and "fleetscope up" in r.stderr
+
+
+def test_up_with_a_configured_kafka_starts_no_broker(tmp_path, broker):
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_KAFKA": broker.bootstrap,
+           "FLEETSCOPE_TOPIC_PREFIX": f"ext{time.time_ns()}", "FLEETSCOPE_CONSUMER_GROUP": f"ext{time.time_ns()}"}
+    before = tansu_pids()
+    r = subprocess.run(CLI + ["up", "--plain", "--duration", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"broker {broker.bootstrap}," in r.stdout and "embedded" not in r.stdout.splitlines()[0]
+    assert tansu_pids() == before
+
+
+def tansu_pids() -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if b"tansu" in fh.read().split(b"\0")[0]:
+                        pids.add(int(entry))
+            except OSError:
+                continue
+    return pids
