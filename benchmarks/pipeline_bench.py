@@ -280,10 +280,12 @@ class Delivery:
 
 
 def produce_paced(producer, topic: str, fleet: Fleet, rate: float, duration_s: float, tick) -> dict:
-    """Produce `rate` events/s for duration_s; call tick(elapsed, enqueued) about once a second."""
+    """Produce `rate` events/s for duration_s; tick(elapsed, enqueued) runs about once a second
+    and may return True to stop early (the worker fell too far behind)."""
     delivery = Delivery()
     enqueued = 0
     encode_s = 0.0
+    aborted = False
     start = time.monotonic()
     next_tick = 1.0
     while True:
@@ -307,13 +309,17 @@ def produce_paced(producer, topic: str, fleet: Fleet, rate: float, duration_s: f
             due -= fleet.n
         producer.poll(0)
         if elapsed >= next_tick:
-            tick(elapsed, enqueued, delivery)
             next_tick += 1.0
+            if tick(elapsed, enqueued):
+                aborted = True
+                break
         time.sleep(0.001)
     produce_s = time.monotonic() - start
+    stopped_at, stopped_at_wall_ns = time.monotonic(), time.time_ns()
     unflushed = producer.flush(60)
     return {"delivery": delivery, "enqueued": enqueued, "produce_s": produce_s, "encode_s": encode_s,
-            "unflushed": unflushed, "stopped_at_wall_ns": time.time_ns(), "stopped_at": time.monotonic()}
+            "aborted": aborted, "unflushed": unflushed, "stopped_at_wall_ns": stopped_at_wall_ns,
+            "stopped_at": stopped_at}
 
 
 def raw_latency(worker: Worker, job_prefix: str) -> dict:
@@ -347,8 +353,36 @@ def feature_latency(worker: Worker, job_prefix: str, steady_cut_ms: int) -> dict
     return out
 
 
-def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, bootstrap: str, topic: str,
-             producer, worker: Worker, probes: list[ProcProbe], lag_probe, label: str) -> dict:
+class CommittedLag:
+    """The worker group's committed offsets against the high watermarks, per partition."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str, partitions: int):
+        from confluent_kafka import Consumer, TopicPartition
+        self._c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                            "log.connection.close": False})
+        self._tps = [TopicPartition(topic, p) for p in range(partitions)]
+
+    def partitions(self) -> list[dict] | None:
+        try:
+            out = []
+            for tp in self._c.committed(self._tps, timeout=2.0):
+                low, high = self._c.get_watermark_offsets(tp, timeout=2.0)
+                out.append({"partition": tp.partition, "committed": tp.offset, "low": low, "high": high})
+            return out
+        except Exception:  # best effort: a probe failure is reported as null
+            return None
+
+    def lag(self) -> int | None:
+        parts = self.partitions()
+        return None if parts is None else sum(p["high"] - (p["committed"] if p["committed"] >= 0 else p["low"])
+                                              for p in parts)
+
+    def close(self) -> None:
+        self._c.close()
+
+
+def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, topic: str,
+             producer, worker: Worker, probes: list[ProcProbe], lag_probe: CommittedLag, label: str) -> dict:
     job_prefix = f"{run_id}-s{idx:02d}-h"
     fleet = Fleet(job_prefix, args.hosts, args.events_per_batch, seed=idx)
     base = worker.stats()
@@ -360,6 +394,7 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, bootst
         s = worker.stats()
         res.sample()
         timeline.append((round(elapsed, 2), enqueued, s["events_in"] - base["events_in"]))
+        return enqueued - timeline[-1][2] > rate * args.abort_lag_s  # hopelessly behind: stop producing
 
     log(f"{label}: target {rate:,.0f} events/s for {duration_s:.0f}s ({args.hosts} hosts, "
         f"{args.events_per_batch} events/batch)")
@@ -367,7 +402,7 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, bootst
     resources = res.stop()
     delivered = p["delivery"].events
     at_stop = worker.stats()
-    lag_events_at_stop = delivered - (at_stop["events_in"] - base["events_in"])
+    lag_events_at_stop = p["enqueued"] - (at_stop["events_in"] - base["events_in"])
     committed_lag_msgs_at_stop = lag_probe.lag()
 
     # drain: events_in reaches what the broker acknowledged
@@ -381,37 +416,24 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, bootst
         time.sleep(0.1)
     # zero loss: raw_metrics holds exactly the acknowledged events for this step's hosts
     rows_s, raw = None, {"rows": 0}
-    while time.monotonic() < deadline + 10:
+    while time.monotonic() < deadline + 5:
         raw = raw_latency(worker, job_prefix)
         if raw["rows"] >= delivered:
             rows_s = time.monotonic() - p["stopped_at"]
             break
         time.sleep(0.25)
-    committed_drain_s, lag = None, None
-    while time.monotonic() < deadline + 10:
-        lag = lag_probe.lag()
-        if lag == 0:
-            committed_drain_s = time.monotonic() - p["stopped_at"]
-            break
-        time.sleep(0.25)
-    # let the idle timer close the tail windows, then read the feature latencies
-    wait_tail = p["stopped_at"] + args.idle_close_s + 1.5 - time.monotonic()
-    if wait_tail > 0:
-        time.sleep(wait_tail)
     end = worker.stats()
-    # windows that ended a window + lateness before production stopped closed by watermark
-    steady_cut_ms = p["stopped_at_wall_ns"] // 10**6 - int((args.window_s + args.lateness_s) * 1000)
-    features = feature_latency(worker, job_prefix, steady_cut_ms)
 
     achieved = p["enqueued"] / p["produce_s"]
     worker_rates = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(timeline, timeline[1:]) if b[0] > a[0]]
-    producer_limited = achieved < 0.95 * rate
-    kept_up = caught_up_s is not None and caught_up_s <= args.keep_up_s
+    producer_limited = not p["aborted"] and achieved < 0.95 * rate
+    kept_up = not p["aborted"] and caught_up_s is not None and caught_up_s <= args.keep_up_s
     loss = delivered - raw["rows"]
     counters = {k: end[k] - base[k] for k in ("messages_in", "events_in", "dlq", "duplicate_batches", "windows_out",
                                               "flushes", "store_errors", "late_events", "replayed_events")}
     step = {
-        "label": label, "target_events_per_s": rate, "duration_s": round(p["produce_s"], 2),
+        "label": label, "job_prefix": job_prefix, "target_events_per_s": rate,
+        "duration_s": round(p["produce_s"], 2), "aborted_worker_behind": p["aborted"],
         "produced_events_per_s": round(achieved), "producer_limited": producer_limited,
         "hosts": args.hosts, "events_per_batch": args.events_per_batch,
         "messages_acked": p["delivery"].messages, "events_acked": delivered,
@@ -426,23 +448,63 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, bootst
         "committed_lag_messages_at_stop": committed_lag_msgs_at_stop,
         "caught_up_after_stop_s": None if caught_up_s is None else round(caught_up_s, 2),
         "all_rows_stored_after_stop_s": None if rows_s is None else round(rows_s, 2),
-        "committed_lag_zero_after_stop_s": None if committed_drain_s is None else round(committed_drain_s, 2),
-        "committed_lag_messages_end": lag,
         "raw_rows": raw["rows"], "raw_batches": raw.get("batches"), "loss_events": loss,
-        "latency": {"event_to_raw_row_ms": raw.get("event_to_raw_row_ms"), "features": features},
+        "latency": {"event_to_raw_row_ms": raw.get("event_to_raw_row_ms")},
         "worker_counters": counters, "flush_events_mean": round(counters["events_in"] / max(counters["flushes"], 1)),
-        "unacked_messages_end": end.get("unacked_messages"), "open_windows_end": end.get("open_windows"),
         "resources": resources,
         "kept_up": kept_up, "zero_loss": loss == 0 and p["delivery"].errors == 0 and delivered > 0,
+        "_steady_cut_ms": p["stopped_at_wall_ns"] // 10**6 - int((args.window_s + args.lateness_s) * 1000),
     }
     step["sustained"] = step["kept_up"] and step["zero_loss"]
     lat = raw.get("event_to_raw_row_ms") or {}
-    log(f"{label}: produced {achieved:,.0f}/s, acked {delivered:,} events; caught up "
-        f"{'never' if caught_up_s is None else f'{caught_up_s:.1f}s'} after stop; rows {raw['rows']:,} "
-        f"(loss {loss}); raw p99 {lat.get('p99')} ms; worker {resources['worker']['cpu_pct']}% CPU, "
-        f"broker {resources['broker']['cpu_pct']}%, machine {resources['machine_busy_pct_of_all_cores']}% "
+    log(f"{label}: produced {achieved:,.0f}/s{' (stopped early: worker behind)' if p['aborted'] else ''}, acked "
+        f"{delivered:,} events; caught up {'never' if caught_up_s is None else f'{caught_up_s:.1f}s'} after stop; "
+        f"rows {raw['rows']:,} (loss {loss}); raw p50/p99 {lat.get('p50')}/{lat.get('p99')} ms; "
+        f"worker {resources['worker']['cpu_pct']}% CPU, broker {resources['broker']['cpu_pct']}%, "
+        f"machine {resources['machine_busy_pct_of_all_cores']}% of {resources['machine_cores']} cores "
         f"-> {'SUSTAINED' if step['sustained'] else 'not sustained'}")
     return step
+
+
+def fetch_wait_probe(bootstrap: str, topic: str, producer, rounds: int = 8) -> dict:
+    """Produce->receive latency of one small message through aiokafka (Faust's client) with the
+    fetch_max_wait_ms that Faust's aiokafka driver hard-codes (1500) and with 10 ms, same broker.
+    Shows how much of the event->row latency is a parked fetch, not the worker."""
+    import asyncio
+
+    import aiokafka
+    from confluent_kafka import TopicPartition  # noqa: F401 (same client family as the producer)
+
+    async def one(wait_ms: int) -> list[float]:
+        c = aiokafka.AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                      fetch_max_wait_ms=wait_ms, auto_offset_reset="latest")
+        await c.start()
+        try:
+            tp = aiokafka.TopicPartition(topic, 0)
+            c.assign([tp])
+            await c.seek_to_end(tp)
+            await c.getmany(timeout_ms=300)
+            lats = []
+            for i in range(rounds):
+                await asyncio.sleep(0.05 + 0.17 * (i % 3))  # land at different points of a parked fetch
+                t = time.monotonic()
+                producer.produce(topic, value=b"probe", key=b"probe", partition=0)
+                producer.flush(5)
+                got = False
+                while not got and time.monotonic() - t < 5:
+                    for msgs in (await c.getmany(timeout_ms=3000)).values():
+                        got = got or any(m.value == b"probe" for m in msgs)
+                lats.append(time.monotonic() - t)
+            return lats
+        finally:
+            await c.stop()
+
+    out = {}
+    for wait_ms in (1500, 10):
+        lats = sorted(asyncio.run(one(wait_ms)))
+        out[f"fetch_max_wait_ms_{wait_ms}"] = {"p50_ms": round(1000 * lats[len(lats) // 2], 1),
+                                               "max_ms": round(1000 * lats[-1], 1), "rounds": len(lats)}
+    return out
 
 
 # ---- the bare consumer -------------------------------------------------------------
