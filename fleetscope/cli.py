@@ -18,11 +18,16 @@ def cmd_up(args) -> int:
     return run_up(_cfg(args), duration_s=args.duration, plain=args.plain)
 
 
+def _kafka_or_explain(cfg, command: str) -> str | None:
+    if not cfg.kafka:
+        print(f"fleetscope {command} needs a Kafka: set FLEETSCOPE_KAFKA=host:port (or `kafka` in the config file).\n"
+              "For everything on this machine with an embedded broker, run `fleetscope up`.", file=sys.stderr)
+    return cfg.kafka
+
+
 def cmd_agent(args) -> int:
     cfg = _cfg(args)
-    if not cfg.kafka:
-        print("fleetscope agent needs a Kafka: set FLEETSCOPE_KAFKA=host:port (or `kafka` in the config file).\n"
-              "For everything on this machine with an embedded broker, run `fleetscope up`.", file=sys.stderr)
+    if not _kafka_or_explain(cfg, "agent"):
         return 2
     from fleetscope.topics import all_topics, ensure_topics
     from producers.agent import build_agent
@@ -37,9 +42,7 @@ def cmd_agent(args) -> int:
 
 def cmd_streams(args) -> int:
     cfg = _cfg(args)
-    if not cfg.kafka:
-        print("fleetscope streams needs a Kafka: set FLEETSCOPE_KAFKA=host:port (or `kafka` in the config file).\n"
-              "For everything on this machine with an embedded broker, run `fleetscope up`.", file=sys.stderr)
+    if not _kafka_or_explain(cfg, "streams"):
         return 2
     from streams.worker import run_streams
     run_streams(cfg, cfg.kafka)

@@ -260,6 +260,12 @@ class SqlStore(Store):
             self._types[table] = {name: typ for name, typ in res.rows}
         return self._types[table]
 
+    def prepare_insert(self, table: str, columns, dedupe_token: str | None) -> tuple[list[Prepared], int]:
+        """Validate the table name and token; shape the columns for this table's types."""
+        check_identifier(table, "table name")
+        self.check_token(dedupe_token)
+        return prepare_columns(table, columns, self.column_types(table))
+
     @staticmethod
     def check_token(token: str | None) -> None:
         if token is not None and (not isinstance(token, str) or not token):

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from fleetscope.store.base import (ColumnData, Prepared, QueryResult, SqlStore, StoreBusyError, StoreError,
-                                   check_identifier, json_default, prepare_columns)
+                                   json_default)
 from fleetscope.wire import StrColumn
 
 BUSY_MESSAGE = ("the chDB data directory {path} is held by another fleetscope process "
@@ -69,9 +69,7 @@ class ChdbStore(SqlStore):
         return self._run(sql, params)
 
     def insert(self, table: str, columns: dict[str, ColumnData], dedupe_token: str | None = None) -> int:
-        check_identifier(table, "table name")
-        self.check_token(dedupe_token)
-        cols, n = prepare_columns(table, columns, self.column_types(table))
+        cols, n = self.prepare_insert(table, columns, dedupe_token)
         if n == 0:
             return 0
         try:

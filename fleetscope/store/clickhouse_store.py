@@ -24,8 +24,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import numpy as np
 
-from fleetscope.store.base import (ColumnData, Prepared, QueryResult, SqlStore, StoreError, check_identifier,
-                                   datetime_precision, prepare_columns)
+from fleetscope.store.base import (ColumnData, Prepared, QueryResult, SqlStore, StoreError,
+                                   datetime_precision)
 from fleetscope.wire import StrColumn
 
 ENV_USER = "FLEETSCOPE_CLICKHOUSE_USER"
@@ -142,9 +142,7 @@ class ClickHouseServerStore(SqlStore):
         return QueryResult(list(res.column_names or ()), [tuple(jsonable(v) for v in row) for row in res.result_rows])
 
     def insert(self, table: str, columns: dict[str, ColumnData], dedupe_token: str | None = None) -> int:
-        check_identifier(table, "table name")
-        self.check_token(dedupe_token)
-        cols, n = prepare_columns(table, columns, self.column_types(table))
+        cols, n = self.prepare_insert(table, columns, dedupe_token)
         if n == 0:
             return 0
         settings = {"insert_deduplication_token": dedupe_token} if dedupe_token is not None else None
