@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from fleetscope.schema import validate
-from fleetscope.wire import Batch, WireError, decode
+from fleetscope.wire import WireError, decode
 from streams.sinks import DeadLetters, FeatureSink, RawSink
 from streams.windows import WindowAssembler
 

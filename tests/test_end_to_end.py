@@ -2,7 +2,6 @@
 reading this machine's /proc, a `fleetscope streams` process (Faust), and chDB."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import replace

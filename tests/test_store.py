@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleetscope.store import (ChdbStore, QueryEndpoint, RemoteStore, StoreBusyError, StoreError, endpoint_alive,
+from fleetscope.store import (ChdbStore, QueryEndpoint, RemoteStore, StoreError, endpoint_alive,
                               open_store)
 from fleetscope.store import clickhouse_store as chs
 from fleetscope.store.base import Prepared
