@@ -14,13 +14,21 @@ columns are exactly SOURCE_COLUMNS["host"]: one sample time per batch, one
 row per (metric, device), so every row's sort key is unique and the
 ReplacingMergeTree can never fold two of them.
 
-The target rate steps up; a step passes when, after producing stops, the
-worker's events_in reaches what the broker acknowledged within --keep-up-s
-and raw_metrics holds exactly that many rows for the step's hosts (each step
-uses fresh host names). Stepping stops at the first step that fails (and,
-with --refine, tries the midpoint once). Then a bare consumer reads the same
-messages back, and a short in-process section timing (same batch shape)
-shows where the worker's time per event goes.
+The target rate steps up; a step is sustained when the worker keeps up (the
+backlog, sampled each second from /stats, does not grow by more than
+--max-lag-growth of the rate, and after producing stops events_in reaches
+what the broker acknowledged within --keep-up-s) and raw_metrics holds
+exactly that many rows for the step's hosts (each step uses fresh host
+names). Stepping stops at the first step that fails (and, with --refine,
+tries the midpoint once). Latencies come from the store: ingested_at - ts
+per raw row, emitted_at - window_end/start per feature row. Then a bare
+consumer reads the same messages back, a probe times a parked aiokafka fetch,
+and a short in-process section timing (same batch shape) shows where the
+worker's time per event goes.
+
+Diagnosis only: --profile-worker PATH (cProfile of the worker) and
+--what-if-fetch-wait-ms MS (the unchanged worker with another aiokafka fetch
+wait than the 1500 ms Faust hard-codes).
 
 Writes benchmarks/results/pipeline.json. Only measured numbers go in it.
 Every process started here is stopped on exit, error or Ctrl-C.

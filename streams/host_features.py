@@ -12,12 +12,12 @@ CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "ste
 
 
 def _delta(w: Window, metric: str, device: str = "all") -> MetricAgg | None:
-    agg = w.metrics.get(("host", metric, device))
+    agg = w.agg("host", metric, device)
     return agg if agg is not None and agg.interval_ns > 0 else None
 
 
 def _gauge(w: Window, metric: str, device: str = "all") -> float | None:
-    agg = w.metrics.get(("host", metric, device))
+    agg = w.agg("host", metric, device)
     return agg.gauge_last if agg is not None and agg.gauge_n else None
 
 
@@ -28,8 +28,7 @@ def _rate(w: Window, metric: str, device: str = "all") -> float | None:
 
 def _rate_over_devices(w: Window, metric: str, skip=("lo",)) -> float | None:
     rates = [agg.delta_sum / (agg.interval_ns / 1e9)
-             for (src, m, dev), agg in w.metrics.items()
-             if src == "host" and m == metric and dev not in skip and agg.interval_ns > 0]
+             for dev, agg in w.devices("host", metric) if dev not in skip and agg.interval_ns > 0]
     return sum(rates) if rates else None
 
 
@@ -44,11 +43,12 @@ def _cpu(w: Window, out: dict) -> None:
     out["cpu_busy_frac"] = 1.0 - idle / total
     for state in ("user", "system", "iowait", "steal", "irq", "softirq"):
         out[f"cpu_{state}_frac"] = secs[state].delta_sum / total
-    per_cpu = {}
-    for (src, m, dev), agg in w.metrics.items():
-        if src == "host" and m.startswith("cpu.") and dev.startswith("cpu") and agg.interval_ns > 0:
-            busy_idle = per_cpu.setdefault(dev, [0.0, 0.0])
-            busy_idle[1 if m in ("cpu.idle", "cpu.iowait") else 0] += agg.delta_sum
+    per_cpu: dict[str, list[float]] = {}
+    for state in CPU_STATES:
+        for dev, agg in w.devices("host", f"cpu.{state}"):
+            if dev.startswith("cpu") and agg.interval_ns > 0:
+                busy_idle = per_cpu.setdefault(dev, [0.0, 0.0])
+                busy_idle[1 if state in ("idle", "iowait") else 0] += agg.delta_sum
     fracs = [b / (b + i) for b, i in per_cpu.values() if b + i > 0]
     if fracs:
         out["cpu_busy_max_core_frac"] = max(fracs)
@@ -87,7 +87,7 @@ def _io(w: Window, out: dict) -> None:
 
 def _agent(w: Window, out: dict) -> None:
     for stat in ("dropped_events", "delivery_errors", "spooled"):
-        agg = w.metrics.get(("agent", f"agent.{stat}", "all"))
+        agg = w.agg("agent", f"agent.{stat}", "all")
         if agg is not None and agg.gauge_n:
             out[f"agent_{stat}"] = agg.gauge_last
 
