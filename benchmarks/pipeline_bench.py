@@ -21,10 +21,12 @@ what the broker acknowledged within --keep-up-s) and raw_metrics holds
 exactly that many rows for the step's hosts (each step uses fresh host
 names). Stepping stops at the first step that fails (and, with --refine,
 tries the midpoint once). Latencies come from the store: ingested_at - ts
-per raw row, emitted_at - window_end/start per feature row. Then a bare
-consumer reads the same messages back, a probe times a parked aiokafka fetch,
-and a short in-process section timing (same batch shape) shows where the
-worker's time per event goes.
+per raw row, emitted_at - window_end/start per feature row. After each step a
+bare confluent-kafka consumer reads that step's messages back (its offset
+range, with the broker holding what it held for the worker: tansu's reads slow
+down as a partition grows), and the ratio compares the two. At the end a probe
+times a parked aiokafka fetch, and a short in-process section timing (same
+batch shape) shows where the worker's time per event goes.
 
 Diagnosis only: --profile-worker PATH (cProfile of the worker) and
 --what-if-fetch-wait-ms MS (the unchanged worker with another aiokafka fetch
@@ -36,6 +38,7 @@ Every process started here is stopped on exit, error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -415,6 +418,7 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, topic:
     job_prefix = f"{run_id}-s{idx:02d}-h"
     fleet = Fleet(job_prefix, args.hosts, args.events_per_batch, seed=idx)
     base = worker.stats()
+    offsets_before = high_watermarks(lag_probe)
     res = ResourceWindow(probes)
     res.start()
     timeline = []
@@ -490,6 +494,7 @@ def run_step(args, idx: int, rate: float, duration_s: float, run_id: str, topic:
         "resources": resources,
         "timeline_s_enqueued_processed": timeline,
         "kept_up": kept_up, "zero_loss": loss == 0 and p["delivery"].errors == 0 and delivered > 0,
+        "_offsets": (offsets_before, high_watermarks(lag_probe)),
         "_stopped_at": p["stopped_at"],
         "_steady_cut_ms": p["stopped_at_wall_ns"] // 10**6 - int((args.window_s + args.lateness_s) * 1000),
     }
@@ -546,56 +551,46 @@ def fetch_wait_probe(bootstrap: str, topic: str, producer, rounds: int = 8) -> d
 
 # ---- the bare consumer -------------------------------------------------------------
 
-def bare_consume(bootstrap: str, topic: str, partitions: int, expect_msgs: int, events_per_msg: int,
-                 passes: int, min_s: float) -> dict:
-    """A plain confluent-kafka consume loop over the same messages: assign, lowered fetch wait,
-    consume(num_messages=...), decode nothing. Each pass reads the topic from the start, again and
-    again until min_s have passed, timed from the first message (connection set-up and the first
-    fetch, reported apart, are not throughput)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+def high_watermarks(lag_probe: "CommittedLag") -> list[int]:
+    return [p["high"] for p in lag_probe.partitions() or []]
+
+
+def bare_consume(bootstrap: str, topic: str, start: list[int], end: list[int], events_per_msg: int,
+                 passes: int, cap_s: float) -> dict:
+    """A plain confluent-kafka consume loop over one step's messages (its offset range, so the
+    broker holds what it held when the worker read them): assign, lowered fetch wait,
+    consume(num_messages=...), decode nothing. The consumer first connects with nothing to read
+    (assigned at the end offsets), then the clock runs from re-assigning the step's start offsets
+    to its last message, so set-up is not counted but every fetch is. A pass stops at cap_s and
+    then reports the rate of what it read."""
+    from confluent_kafka import Consumer, TopicPartition
+    expect = sum(e - s for s, e in zip(start, end))
     runs = []
-    for i in range(passes):
+    for _ in range(passes):
         c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bare-{uuid.uuid4().hex[:8]}",
                       "enable.auto.commit": False, "fetch.wait.max.ms": 5, "fetch.min.bytes": 1,
                       "fetch.error.backoff.ms": 5, "log.connection.close": False})
-        n = nbytes = n_first = rounds = 0
-        t_first = t_end = None
-        t_assign = time.perf_counter()
+        n = nbytes = 0
         try:
-            while rounds == 0 or (t_end - t_first < min_s):
-                c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
-                got = 0
-                deadline = time.monotonic() + 30
-                while got < expect_msgs and time.monotonic() < deadline:
-                    msgs = c.consume(num_messages=1000, timeout=0.5)
-                    if t_first is None and msgs:
-                        t_first, n_first = time.perf_counter(), len(msgs)
-                    for m in msgs:
-                        if m.error() is None:
-                            got += 1
-                            nbytes += len(m.value())
-                n += got
-                rounds += 1
-                t_end = time.perf_counter()
-                if got < expect_msgs or t_first is None:
-                    break  # incomplete read: report it rather than loop
+            c.assign([TopicPartition(topic, p, off) for p, off in enumerate(end)])
+            c.consume(num_messages=1, timeout=1.0)  # connect, metadata; nothing to read yet
+            t0 = time.perf_counter()
+            c.assign([TopicPartition(topic, p, off) for p, off in enumerate(start)])
+            deadline = t0 + cap_s
+            while n < expect and time.perf_counter() < deadline:
+                for m in c.consume(num_messages=1000, timeout=0.1):
+                    if m.error() is None:
+                        n += 1
+                        nbytes += len(m.value())
+            dt = time.perf_counter() - t0
         finally:
             c.close()
-        if t_first is None or t_end <= t_first or n <= n_first:
-            runs.append({"messages": n, "rounds": rounds, "events_per_s": 0})
-            continue
-        timed, dt = n - n_first, t_end - t_first
-        runs.append({"rounds": rounds, "messages": n, "mb": round(nbytes / 2**20, 1),
-                     "seconds_after_first_message": round(dt, 3), "first_message_after_s": round(t_first - t_assign, 3),
-                     "events_per_s": round(timed * events_per_msg / dt), "messages_per_s": round(timed / dt),
-                     "mb_per_s": round(nbytes * timed / n / 2**20 / dt, 1)})
-        log(f"bare consumer pass {i + 1}: {rounds} reads of the topic, {timed:,} messages in {dt:.2f}s after the "
-            f"first = {timed * events_per_msg / dt:,.0f} events/s")
+        runs.append({"messages": n, "complete": n >= expect, "seconds": round(dt, 3),
+                     "events_per_s": round(n * events_per_msg / dt), "messages_per_s": round(n / dt),
+                     "mb_per_s": round(nbytes / 2**20 / dt, 1)})
     best = max(runs, key=lambda r: r["events_per_s"])
-    return {"passes": runs, "events_per_s_best": best["events_per_s"],
-            "events_per_s_median": int(np.median([r["events_per_s"] for r in runs])),
-            "messages_per_read": expect_msgs,
-            "complete": all(r["messages"] >= expect_msgs * r["rounds"] for r in runs)}
+    return {"messages_in_range": expect, "offsets_start": start, "offsets_end": end, "passes": runs,
+            "events_per_s_best": best["events_per_s"]}
 
 
 # ---- where the worker's time goes, same batch shape, in this process ------------------------
@@ -671,9 +666,23 @@ def section_timings(args, rate: float, flush_events: int) -> dict:
 
 # ---- main ------------------------------------------------------------------------
 
+def code_state() -> dict:
+    """The commit and any uncommitted changes outside benchmarks/: the code this run measured.
+    Others commit while benchmarks run; a change between start and end makes the run suspect."""
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    dirty = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks")
+    diff = git("diff", "HEAD", "--", ".", ":(exclude)benchmarks")
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted_outside_benchmarks": (dirty or "").splitlines(),
+            "diff_sha1": hashlib.sha1((diff or "").encode()).hexdigest()[:12]}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="20000,40000,60000,80000,100000,150000,200000,400000",
+    ap.add_argument("--rates", default="25000,50000,75000,100000,125000,150000,200000,300000,400000",
                     help="target events/s steps, comma-separated; stops at the first that fails (default: %(default)s)")
     ap.add_argument("--step-s", type=float, default=20.0, help="seconds of production per step")
     ap.add_argument("--hosts", type=int, default=32, help="simulated hosts per step (each its own job key)")
@@ -688,14 +697,16 @@ def parse_args(argv=None):
                     help="stop a step's production once the worker is this many seconds of input behind")
     ap.add_argument("--max-drain-s", type=float, default=45.0, help="give up waiting for a backlog after this")
     ap.add_argument("--refine", type=int, default=1, help="midpoint steps between the last pass and first fail")
-    ap.add_argument("--warmup-s", type=float, default=4.0)
-    ap.add_argument("--bare-passes", type=int, default=3)
-    ap.add_argument("--bare-min-s", type=float, default=2.0, help="each bare pass re-reads the topic for this long")
+    ap.add_argument("--warmup-s", type=float, default=3.0, help="warm-up on each new worker (group join)")
+    ap.add_argument("--bare-passes", type=int, default=2, help="bare-consumer reads of each step's messages (0: none)")
+    ap.add_argument("--bare-cap-s", type=float, default=6.0, help="a bare read stops after this long")
     ap.add_argument("--no-sections", action="store_true", help="skip the in-process section timing")
     ap.add_argument("--no-fetch-probe", action="store_true", help="skip the aiokafka fetch-wait latency probe")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="no new step starts after this much time")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="no new step starts after this much time")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
-    ap.add_argument("--keep-data", action="store_true", help="keep the temp data dir (worker log, chDB)")
+    ap.add_argument("--keep-data", action="store_true", help="keep the temp data dirs (worker log, chDB)")
+    ap.add_argument("--shared-broker", action="store_true",
+                    help="one broker and worker for all steps (tansu's reads then slow down as the topic grows)")
     diag = ap.add_mutually_exclusive_group()
     diag.add_argument("--profile-worker", metavar="PATH",
                       help="run the worker under cProfile and write its profile here (slows it: diagnosis only)")
@@ -737,7 +748,7 @@ def choose_steps(args, rates, run_step_at) -> tuple[list[dict], bool]:
     return steps, out_of_time
 
 
-def summarise(result: dict, steps: list[dict], bare: dict) -> None:
+def summarise(result: dict, steps: list[dict]) -> None:
     passed = [s for s in steps if s["sustained"]]
     best = max(passed, key=lambda s: s["produced_events_per_s"]) if passed else None
     failed = [s for s in steps if not s["sustained"]]
@@ -746,8 +757,9 @@ def summarise(result: dict, steps: list[dict], bare: dict) -> None:
     result["lowest_failing_target_events_per_s"] = min((s["target_events_per_s"] for s in failed), default=None)
     result["worker_max_events_per_s_observed_1s"] = max((s["worker_events_per_s_1s_max"] or 0 for s in steps),
                                                         default=None)
-    ratio = best["produced_events_per_s"] / bare["events_per_s_best"] if best and bare["events_per_s_best"] else None
-    result["ratio_to_bare_consumer"] = None if ratio is None else round(ratio, 4)
+    ratio = best.get("ratio_to_bare_consumer") if best else None
+    result["bare_consumer_events_per_s"] = best["bare_consumer"]["events_per_s_best"] if best and "bare_consumer" in best else None
+    result["ratio_to_bare_consumer"] = ratio
     goals = {"zero_loss_at_sustained_rate": False, "ratio_to_bare_consumer_ge_0_5": False,
              "p99_event_to_raw_row_le_3s": False, "p99_event_to_feature_row_worst_case_le_3s": False}
     if best:
@@ -774,18 +786,87 @@ def summarise(result: dict, steps: list[dict], bare: dict) -> None:
     result["goals_met"] = goals
 
 
+class Stack:
+    """One broker, its topics, one streams worker with its own chDB, and the bench's clients."""
+
+    def __init__(self, args, run_id: str, tag: str):
+        self.args, self.run_id, self.tag = args, run_id, tag
+        self.data_dir = Path(tempfile.mkdtemp(prefix=f"fs-pipeline-bench-{tag}-"))
+        self.env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(self.data_dir),
+                    "FLEETSCOPE_TOPIC_PREFIX": f"{run_id}{tag}", "FLEETSCOPE_CONSUMER_GROUP": f"{run_id}{tag}-streams",
+                    "FLEETSCOPE_PARTITIONS": str(args.partitions), "FLEETSCOPE_WINDOW_S": str(args.window_s)}
+        for var in ("FLEETSCOPE_ALLOWED_LATENESS_S", "FLEETSCOPE_IDLE_CLOSE_S", "FLEETSCOPE_CONFIG",
+                    "FLEETSCOPE_CLICKHOUSE_URL", "FLEETSCOPE_DATABASE"):
+            self.env.pop(var, None)  # the shipped defaults, the embedded store
+        self.broker = self.worker = self.producer = self.lag_probe = None
+
+    def start(self) -> "Stack":
+        self.broker = EmbeddedBroker(log_path=self.data_dir / "broker.log").start()
+        self.env["FLEETSCOPE_KAFKA"] = self.broker.bootstrap
+        self.cfg = config_mod.load(env=self.env)
+        self.topic = self.cfg.raw_topic("host")
+        self.probe_topic = f"{self.cfg.topic_prefix}.bench-probe"  # never a raw topic: the worker would dead-letter it
+        ensure_topics(self.broker.bootstrap, all_topics(self.cfg) + [self.probe_topic], self.cfg.partitions)
+        self.worker = Worker(self.env, self.data_dir, self.args.profile_worker, self.args.what_if_fetch_wait_ms).start()
+        self.lag_probe = CommittedLag(self.broker.bootstrap, self.cfg.consumer_group, self.topic, self.cfg.partitions)
+        self.producer = make_producer(self.broker.bootstrap)
+        worker, broker = self.worker, self.broker
+        self.probes = [ProcProbe("worker", lambda: group_pids(worker.proc.pid)),
+                       ProcProbe("broker", lambda: [broker.pid]),
+                       ProcProbe("bench_producer", lambda: [os.getpid()])]
+        log(f"[{self.tag}] broker on {self.broker.bootstrap} (pid {self.broker.pid}), worker pid {self.worker.proc.pid}, "
+            f"data dir {self.data_dir}")
+        return self
+
+    def stop(self) -> None:
+        if self.lag_probe is not None:
+            self.lag_probe.close()
+            self.lag_probe = None
+        if self.producer is not None:
+            self.producer.flush(5)
+            self.producer = None  # its threads would keep dialling the stopped broker
+        if self.worker is not None:
+            self.worker.stop()
+        if self.broker is not None:
+            self.broker.stop()
+        if not self.args.keep_data:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        else:
+            log(f"kept {self.data_dir}")
+
+
+def measure_step(args, stack: Stack, idx: int, rate: float, duration_s: float, label: str) -> dict:
+    """One step on a stack, then the bare consumer on the same messages (worker idle)."""
+    step = run_step(args, idx, rate, duration_s, stack.run_id + stack.tag, stack.topic, stack.producer,
+                    stack.worker, stack.probes, stack.lag_probe, label)
+    start, end = step.pop("_offsets")
+    if args.bare_passes and len(start) == len(end) == stack.cfg.partitions:
+        step["bare_consumer"] = bare = bare_consume(stack.broker.bootstrap, stack.topic, start, end,
+                                                    args.events_per_batch, args.bare_passes, args.bare_cap_s)
+        step["messages_in_topic_after_step"] = sum(end)
+        step["ratio_to_bare_consumer"] = (round(step["produced_events_per_s"] / bare["events_per_s_best"], 4)
+                                          if bare["events_per_s_best"] else None)
+        log(f"{label}: bare consumer read its {bare['messages_in_range']:,} messages at "
+            f"{bare['events_per_s_best']:,} events/s (best of {args.bare_passes}); ratio {step['ratio_to_bare_consumer']}")
+    return step
+
+
+def finish_step(args, stack: Stack, step: dict, wait_tail: bool) -> None:
+    """Feature latencies for a step; with wait_tail, after the idle timer closed its last windows."""
+    if wait_tail:
+        time.sleep(max(0.0, step["_stopped_at"] + args.idle_close_s + 2.0 - time.monotonic()))
+    step["latency"]["features"] = feature_latency(stack.worker, step["job_prefix"], step.pop("_steady_cut_ms"))
+    step.pop("_stopped_at")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     run_id = f"pb{uuid.uuid4().hex[:6]}"
-    data_dir = Path(tempfile.mkdtemp(prefix="fs-pipeline-bench-"))
-    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(data_dir), "FLEETSCOPE_TOPIC_PREFIX": run_id,
-           "FLEETSCOPE_CONSUMER_GROUP": f"{run_id}-streams", "FLEETSCOPE_PARTITIONS": str(args.partitions),
-           "FLEETSCOPE_WINDOW_S": str(args.window_s)}
-    for var in ("FLEETSCOPE_ALLOWED_LATENESS_S", "FLEETSCOPE_IDLE_CLOSE_S", "FLEETSCOPE_CONFIG",
-                "FLEETSCOPE_CLICKHOUSE_URL", "FLEETSCOPE_DATABASE"):
-        env.pop(var, None)  # the shipped defaults, the embedded store
-    broker = worker = producer = lag_probe = None
+    defaults = config_mod.load(env={})
+    args.lateness_s, args.idle_close_s = defaults.allowed_lateness_s, defaults.idle_close_s
+    stacks: list[Stack] = []
+    shared: Stack | None = None
 
     def on_term(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -795,89 +876,72 @@ def main(argv=None) -> int:
                     "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "machine": {"nproc": os.cpu_count(), "sched_affinity_cpus": len(os.sched_getaffinity(0)),
                                 "python": platform.python_version(), "loadavg_at_start": list(os.getloadavg())},
+                    "code_at_start": code_state(),
                     "goals": {"loss_events": 0, "ratio_to_bare_consumer_min": GOAL_RATIO,
-                              "p99_event_to_row_s_max": GOAL_P99_S}}
+                              "p99_event_to_row_s_max": GOAL_P99_S},
+                    "config": {"hosts": args.hosts, "events_per_batch": args.events_per_batch,
+                               "bytes_per_message": len(encode(Fleet("x", 1, args.events_per_batch).next_batch())),
+                               "partitions": args.partitions, "window_s": args.window_s,
+                               "allowed_lateness_s": args.lateness_s, "idle_close_s": args.idle_close_s,
+                               "step_s": args.step_s, "warmup_s": args.warmup_s, "keep_up_s": args.keep_up_s,
+                               "abort_lag_s": args.abort_lag_s, "max_lag_growth_fraction_of_rate": args.max_lag_growth,
+                               "rates": rates, "fresh_broker_and_worker_per_step": not args.shared_broker,
+                               "worker_profiled": bool(args.profile_worker),
+                               "worker_fetch_max_wait_ms": args.what_if_fetch_wait_ms or "faust default (1500)",
+                               "broker": "tansu (EmbeddedBroker, memory storage, loopback)",
+                               "producer": "confluent-kafka, acks=all, idempotent, linger.ms=5, in the bench process"}}
+
+    def new_stack(tag: str) -> Stack:
+        stack = Stack(args, run_id, tag)
+        stacks.append(stack)
+        stack.start()
+        # warm-up: the consumer group joins and the first store look-ups happen before anything is timed
+        warm = measure_step(args, stack, 0, 10_000, args.warmup_s, f"[{tag}] warmup")
+        finish_step(args, stack, warm, wait_tail=False)
+        result.setdefault("warmups", []).append(
+            {k: warm[k] for k in ("label", "produced_events_per_s", "events_acked", "raw_rows", "loss_events",
+                                  "caught_up_after_stop_s")})
+        return stack
+
     try:
-        broker = EmbeddedBroker(log_path=data_dir / "broker.log").start()
-        env["FLEETSCOPE_KAFKA"] = broker.bootstrap
-        cfg = config_mod.load(env=env)
-        args.lateness_s, args.idle_close_s = cfg.allowed_lateness_s, cfg.idle_close_s
-        probe_topic = f"{run_id}.bench-probe"  # never a raw topic: the worker would dead-letter it
-        ensure_topics(broker.bootstrap, all_topics(cfg), cfg.partitions)
-        ensure_topics(broker.bootstrap, [probe_topic], 1)
-        topic = cfg.raw_topic("host")
-        result["config"] = {"hosts": args.hosts, "events_per_batch": args.events_per_batch,
-                            "bytes_per_message": len(encode(Fleet("x", 1, args.events_per_batch).next_batch())),
-                            "partitions": cfg.partitions, "window_s": cfg.window_s,
-                            "allowed_lateness_s": cfg.allowed_lateness_s, "idle_close_s": cfg.idle_close_s,
-                            "step_s": args.step_s, "keep_up_s": args.keep_up_s, "abort_lag_s": args.abort_lag_s,
-                            "max_lag_growth_fraction_of_rate": args.max_lag_growth,
-                            "rates": rates, "worker_profiled": bool(args.profile_worker),
-                            "worker_fetch_max_wait_ms": args.what_if_fetch_wait_ms or "faust default (1500)",
-                            "broker": "tansu (EmbeddedBroker, memory storage, loopback)",
-                            "producer": "confluent-kafka, acks=all, idempotent, linger.ms=5, in the bench process"}
-        log(f"broker on {broker.bootstrap} (pid {broker.pid}); starting the streams worker, data dir {data_dir}")
-        worker = Worker(env, data_dir, args.profile_worker, args.what_if_fetch_wait_ms).start()
-        log(f"worker up (pid {worker.proc.pid})")
-        lag_probe = CommittedLag(broker.bootstrap, cfg.consumer_group, topic, cfg.partitions)
-        producer = make_producer(broker.bootstrap)
-        probes = [ProcProbe("worker", lambda: group_pids(worker.proc.pid)),
-                  ProcProbe("broker", lambda: [broker.pid]),
-                  ProcProbe("bench_producer", lambda: [os.getpid()])]
+        if args.shared_broker:
+            shared = new_stack("shared")
 
-        def run_step_at(idx: int, rate: float, duration_s: float = args.step_s, label: str | None = None):
-            return run_step(args, idx, rate, duration_s, run_id, topic, producer, worker, probes, lag_probe,
-                            label or f"step {idx}")
+        def run_step_at(idx: int, rate: float) -> dict:
+            stack = shared
+            if stack is None:  # a fresh broker and worker: tansu's reads slow down as its partitions grow
+                for old in stacks:
+                    old.stop()
+                stack = new_stack(f"s{idx}")
+            step = measure_step(args, stack, idx, rate, args.step_s, f"step {idx}")
+            if shared is None:
+                finish_step(args, stack, step, wait_tail=False)
+            else:
+                step["_stack"] = stack
+            return step
 
-        # warm-up: the consumer group joins, the first keys' store look-ups happen
-        warm = run_step_at(0, 10_000, args.warmup_s, "warmup")
-        result["warmup"] = {k: warm[k] for k in ("produced_events_per_s", "events_acked", "raw_rows", "loss_events",
-                                                 "caught_up_after_stop_s")}
         steps, result["stopped_by_budget"] = choose_steps(args, rates, run_step_at)
-
-        # feature rows: the last step's tail windows close on the idle timer; then every offset is committed
-        last_stop = max([warm["_stopped_at"]] + [s["_stopped_at"] for s in steps])
-        time.sleep(max(0.0, last_stop + args.idle_close_s + 2.0 - time.monotonic()))
-        for step in steps:
-            step["latency"]["features"] = feature_latency(worker, step["job_prefix"], step.pop("_steady_cut_ms"))
-            step.pop("_stopped_at")
-        deadline = time.monotonic() + 10
-        while lag_probe.lag() not in (0, None) and time.monotonic() < deadline:
+        last = stacks[-1]
+        # the last worker: its tail windows close on the idle timer, then every offset must be committed
+        for i, step in enumerate(steps):
+            if "_stopped_at" in step:
+                finish_step(args, step.pop("_stack", last), step, wait_tail=(i == len(steps) - 1))
+        deadline = time.monotonic() + args.idle_close_s + 10
+        while last.lag_probe.lag() not in (0, None) and time.monotonic() < deadline:
             time.sleep(0.5)
-        final = worker.stats()
-        result["end_of_run"] = {"committed_lag_messages": lag_probe.lag(), "committed_offsets": lag_probe.partitions(),
-                                "worker_stats": final}
+        result["end_of_run"] = {"stack": last.tag, "committed_lag_messages": last.lag_probe.lag(),
+                                "committed_offsets": last.lag_probe.partitions(), "worker_stats": last.worker.stats()}
         result["steps"] = steps
-        lag_probe.close()
-        lag_probe = None
-
-        # the bare consumer reads the same messages (every step's) from the same broker, worker idle
-        total_msgs = warm["messages_acked"] + sum(s["messages_acked"] for s in steps)
-        log(f"bare consumer: {total_msgs:,} messages of {args.events_per_batch} events on {topic}")
-        bare = bare_consume(broker.bootstrap, topic, cfg.partitions, total_msgs, args.events_per_batch,
-                            args.bare_passes, args.bare_min_s)
-        result["bare_consumer"] = bare
-        summarise(result, steps, bare)
+        summarise(result, steps)
         if not args.no_fetch_probe:
-            result["fetch_wait_probe"] = fetch_wait_probe(broker.bootstrap, probe_topic, producer)
+            result["fetch_wait_probe"] = fetch_wait_probe(last.broker.bootstrap, last.probe_topic, last.producer)
             log(f"fetch-wait probe (aiokafka produce->receive): {result['fetch_wait_probe']}")
-        result["worker_log_errors"] = [line for line in worker.tail(20000).splitlines()
+        result["worker_log_errors"] = [line for stack in stacks[-1:] for line in stack.worker.tail(20000).splitlines()
                                        if "ERROR" in line or "Traceback" in line][-10:]
     finally:
-        if lag_probe is not None:
-            lag_probe.close()
-        if producer is not None:
-            producer.flush(5)
-            producer = None  # its threads would keep dialling the stopped broker
-        if worker is not None:
-            worker.stop()
-        if broker is not None:
-            broker.stop()
-        log("worker and broker stopped")
-        if not args.keep_data:
-            shutil.rmtree(data_dir, ignore_errors=True)
-        else:
-            log(f"kept {data_dir}")
+        for stack in stacks:
+            stack.stop()
+        log("workers and brokers stopped")
     if not args.no_sections:
         best = next((s for s in result["steps"] if s["label"] == result.get("sustained_step")), None)
         rate = best["produced_events_per_s"] if best else 20_000
@@ -885,12 +949,16 @@ def main(argv=None) -> int:
         log(f"section timing in this process: the fleet at {rate:,}/s, {flush_events:,} events per insert")
         result["sections"] = section_timings(args, rate, flush_events)
         log(f"sections: {json.dumps(result['sections'])}")
+    result["code_at_end"] = code_state()
+    result["code_changed_during_run"] = result["code_at_end"] != result["code_at_start"]
+    if result["code_changed_during_run"]:
+        log("WARNING: the code outside benchmarks/ changed during this run; its numbers mix two versions")
     result["elapsed_s"] = round(time.monotonic() - T0, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"sustained {result['sustained_events_per_s']} events/s; bare consumer "
-        f"{result['bare_consumer']['events_per_s_best']:,} events/s; ratio {result['ratio_to_bare_consumer']}; "
+    log(f"sustained {result['sustained_events_per_s']} events/s; bare consumer on the same messages "
+        f"{result['bare_consumer_events_per_s']} events/s; ratio {result['ratio_to_bare_consumer']}; "
         f"goals {result['goals_met']}; wrote {out}")
     return 0
 

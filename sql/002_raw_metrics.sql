@@ -1,5 +1,6 @@
--- ReplacingMergeTree: two rows with the same sort key can only be one event
--- delivered twice (a re-sent batch), so merges fold them as a backstop.
+-- ReplacingMergeTree: the sort key is the full identity of an event, so two rows
+-- with the same key can only be one event
+-- delivered twice (a re-sent batch); merges fold them as a backstop.
 -- Raw metric samples (gauges and deltas) from every source, one row per event.
 -- ORDER BY follows the contract: low-cardinality tenant, job, then rank, then
 -- event time. Sinks pass the batch id as insert_deduplication_token, and the
@@ -25,6 +26,6 @@ CREATE TABLE IF NOT EXISTS {database}.raw_metrics
 )
 ENGINE = ReplacingMergeTree
 PARTITION BY toDate(ts)
-ORDER BY (tenant, job, rank, ts, metric, device)
+ORDER BY (tenant, job, rank, ts, metric, device, pid, gpu)
 TTL toDateTime(ts) + INTERVAL {ttl_days} DAY
 SETTINGS non_replicated_deduplication_window = 10000, ttl_only_drop_parts = 1;

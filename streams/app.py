@@ -13,6 +13,7 @@ import os
 import faust
 
 from fleetscope.topics import RAW_SOURCES
+from streams import faust_transport
 from streams.processor import MessageRef, StreamProcessor
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
     app = faust.App(
         cfg.consumer_group,
-        broker=f"kafka://{bootstrap}",
+        broker=f"{faust_transport.SCHEME}://{bootstrap}",
         value_serializer="raw", key_serializer="raw",
         web_enabled=False, store="memory://",
         topic_partitions=cfg.partitions,

@@ -77,7 +77,7 @@ def test_migrate_is_idempotent_and_creates_tables(tmp_path):
         meta = {r["name"]: r for r in s.query(
             "SELECT name, sorting_key, engine_full FROM system.tables WHERE database = {db:String}",
             {"db": s.database}).as_dicts()}
-        assert meta["raw_metrics"]["sorting_key"] == "tenant, job, rank, ts, metric, device"
+        assert meta["raw_metrics"]["sorting_key"] == "tenant, job, rank, ts, metric, device, pid, gpu"
         assert meta["features"]["sorting_key"] == "tenant, job, rank, window_start, host"
         assert meta["dlq"]["sorting_key"] == "topic, ts"
         assert "toIntervalDay(3)" in meta["raw_metrics"]["engine_full"]
