@@ -14,6 +14,7 @@ import faust
 
 from fleetscope.topics import RAW_SOURCES
 from streams import faust_transport
+from streams.flusher import BackgroundFlusher
 from streams.processor import MessageRef, StreamProcessor
 
 log = logging.getLogger(__name__)
@@ -39,20 +40,20 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
     raw = app.topic(*[cfg.raw_topic(s) for s in RAW_SOURCES], value_type=bytes, key_type=bytes,
                     value_serializer="raw", key_serializer="raw")
 
+    flusher = BackgroundFlusher(processor)
+
     @app.agent(raw, name="fleetscope-raw")
     async def consume(stream):
         async for event in stream.noack().events():
             msg = event.message
             ref = MessageRef(msg.topic, msg.partition, msg.offset, ack=event.ack)
             processor.handle(event.value, event.headers, ref)
-            if processor.due():
-                processor.flush()
+            await flusher.maybe_flush()
 
-    @app.timer(interval=0.25)
+    @app.timer(interval=0.1)
     async def flush_idle():
-        # closes windows of keys that went quiet, and flushes a slow trickle
-        if processor.due():
-            processor.flush()
+        # closes windows of keys that went quiet, flushes a slow trickle, finishes the flush in flight
+        await flusher.maybe_flush()
 
     return app
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from fleetscope.schema import validate
-from fleetscope.wire import WireError, decode
+from fleetscope.wire import Batch, WireError, decode
 from streams.sinks import DeadLetters, FeatureSink, RawSink
 from streams.windows import WindowAssembler
 
@@ -72,6 +72,20 @@ class SeenBatches:
         return True
 
 
+@dataclass
+class FlushJob:
+    """What one flush stores: taken on the event loop, written on any thread."""
+
+    raw: list[tuple[Batch, MessageRef]]
+    dead: list[tuple[MessageRef, bytes | None, str]]
+    windows: list
+    skipped: list[MessageRef]  # duplicates: nothing to store, acknowledged in order with the rest
+
+    def refs(self) -> list[MessageRef]:
+        return ([ref for _, ref in self.raw] + [ref for ref, _, _ in self.dead]
+                + [ref for w in self.windows for ref in w.messages] + self.skipped)
+
+
 class StreamProcessor:
     def __init__(self, cfg, store, producer=None, clock=time.monotonic,
                  flush_interval_s: float = 0.25, flush_rows: int = 200_000):
@@ -86,6 +100,11 @@ class StreamProcessor:
         self.clock = clock
         self.flush_interval_s = flush_interval_s
         self.flush_rows = flush_rows
+        self.raw_rows = 0
+        self._raw: list[tuple[Batch, MessageRef]] = []
+        self._dead: list[tuple[MessageRef, bytes | None, str]] = []
+        self._skipped: list[MessageRef] = []
+        self._retry: FlushJob | None = None
         self._last_flush = clock()
         self._pending_refs: list[MessageRef] = []
 
@@ -98,47 +117,65 @@ class StreamProcessor:
             batch = decode(value, headers)
             validate(batch)
         except WireError as exc:
-            self.dead.add(ref, value, str(exc))
+            log.warning("dead-letter %s[%d]@%d: %s", ref.topic, ref.partition, ref.offset, exc)
+            self._dead.append((ref, value, str(exc)))
             self.stats.dlq += 1
             return
         if not self.seen.add(batch.batch_id):
             self.stats.duplicate_batches += 1
+            self._skipped.append(ref)
             return
         self.stats.events_in += batch.count
-        self.raw.add(batch, ref)
+        self._raw.append((batch, ref))
+        self.raw_rows += batch.count
         # each touched window holds the message until that window is stored
         ref.pending += len(self.windows.add(batch, ref))
 
     def due(self) -> bool:
-        return (self.raw.rows >= self.flush_rows
+        return (self.raw_rows >= self.flush_rows
                 or self.clock() - self._last_flush >= self.flush_interval_s)
 
-    def flush(self, force: bool = False) -> None:
-        """Store what is buffered, emit closed windows, acknowledge what is safe.
-
-        A store failure leaves everything pending: nothing is acknowledged,
-        so the messages are retried on the next flush or replayed after restart.
-        """
+    def begin_flush(self, force: bool = False) -> FlushJob | None:
+        """Take what is ready to store (event-loop thread). A failed job is retried first, whole."""
         self._last_flush = self.clock()
+        if self._retry is not None:
+            job, self._retry = self._retry, None
+            return job
+        job = FlushJob(self._raw, self._dead, self.windows.pop_closed(force=force), self._skipped)
+        self._raw, self._dead, self._skipped, self.raw_rows = [], [], [], 0
+        return job if (job.raw or job.dead or job.windows or job.skipped) else None
+
+    def run_flush(self, job: FlushJob) -> bool:
+        """Store and publish the job (any thread). Every insert carries a dedupe token,
+        so running a job again after a partial failure stores nothing twice."""
         try:
-            self.dead.flush()
-            self.raw.flush()
-            closed = self.windows.pop_closed(force=force)
-            if closed:
-                self.features.write(closed)
-                self.stats.windows_out += len(closed)
-                self.stats.last_window_end_ns = max(w.end_ns for w in closed)
+            self.dead.write(job.dead)
+            self.raw.write([b for b, _ in job.raw])
+            self.features.write(job.windows)
+            return True
         except Exception:
             self.stats.store_errors += 1
-            log.exception("flush failed; messages stay unacknowledged and will be retried")
+            log.exception("flush failed; its messages stay unacknowledged and the flush is retried")
+            return False
+
+    def finish_flush(self, job: FlushJob, ok: bool) -> None:
+        """Acknowledge what the job stored (event-loop thread)."""
+        if not ok:
+            self._retry = job
             return
         self.stats.flushes += 1
-        for window in closed:
-            for ref in window.messages:
-                ref.release()
-        for ref in self.raw.take_stored() + self.dead.take_stored():
+        if job.windows:
+            self.stats.windows_out += len(job.windows)
+            self.stats.last_window_end_ns = max(w.end_ns for w in job.windows)
+        for ref in job.refs():
             ref.release()
         self._pending_refs = [r for r in self._pending_refs if not r.acked]
+
+    def flush(self, force: bool = False) -> None:
+        """begin, run and finish in the caller's thread."""
+        job = self.begin_flush(force)
+        if job is not None:
+            self.finish_flush(job, self.run_flush(job))
 
     def snapshot(self) -> dict:
         s = asdict(self.stats)

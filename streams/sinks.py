@@ -38,17 +38,12 @@ def _deliver(producer, timeout_s: float = 10.0) -> None:
 
 
 class RawSink:
+    """Stores raw rows. Safe to call from the flush thread."""
+
     def __init__(self, store):
         self.store = store
-        self._buffer: list[tuple[Batch, object]] = []
-        self._stored: list = []
         self._stored_before: set[str] | None = None
-        self.rows = 0
         self.replayed_batches = 0
-
-    def add(self, batch: Batch, ref) -> None:
-        self._buffer.append((batch, ref))
-        self.rows += batch.count
 
     def _already_stored(self) -> set[str]:
         if self._stored_before is None:  # once per run: what a previous run stored
@@ -58,21 +53,18 @@ class RawSink:
             self._stored_before = {r[0] for r in res.rows}
         return self._stored_before
 
-    def flush(self) -> None:
-        if not self._buffer:
+    def write(self, batches: list[Batch]) -> None:
+        if not batches:
             return
         stored_before = self._already_stored()
         by_table: dict[str, list[Batch]] = {}
-        for batch, _ in self._buffer:
+        for batch in batches:
             if batch.batch_id in stored_before:
                 self.replayed_batches += 1
                 continue
             by_table.setdefault(RAW_TABLE[batch.source], []).append(batch)
-        for table, batches in by_table.items():
-            self.store.insert(table, self._metric_rows(batches), dedupe_token=_token(table, [b.batch_id for b in batches]))
-        self._stored += [ref for _, ref in self._buffer]
-        self._buffer.clear()
-        self.rows = 0
+        for table, group in by_table.items():
+            self.store.insert(table, self._metric_rows(group), dedupe_token=_token(table, [b.batch_id for b in group]))
 
     @staticmethod
     def _metric_rows(batches: list[Batch]) -> pa.Table:
@@ -95,11 +87,6 @@ class RawSink:
                          "value": column("value"), "interval_ns": column("interval_ns"),
                          "batch_id": per_batch("batch_id")})
 
-    def take_stored(self) -> list:
-        out, self._stored = self._stored, []
-        return out
-
-
 class FeatureSink:
     def __init__(self, cfg, store, producer=None):
         self.cfg = cfg
@@ -118,6 +105,8 @@ class FeatureSink:
         return int(newest_ms) * 1_000_000 if int(count) else None
 
     def write(self, windows) -> None:
+        if not windows:
+            return
         vectors = [window_features(w) for w in windows]
         now = time.time_ns()
         rows = {
@@ -165,21 +154,16 @@ def features_batch(worker_host: str, windows, vectors) -> Batch:
 
 
 class DeadLetters:
+    """Stores and publishes messages that failed decoding or validation, with the reason."""
+
     def __init__(self, cfg, store, producer=None):
         self.cfg = cfg
         self.store = store
         self.producer = producer
-        self._buffer: list[tuple[object, bytes | None, str]] = []
-        self._stored: list = []
 
-    def add(self, ref, value: bytes | None, reason: str) -> None:
-        log.warning("dead-lettered %s[%d]@%d: %s", ref.topic, ref.partition, ref.offset, reason)
-        self._buffer.append((ref, value, reason))
-
-    def flush(self) -> None:
-        if not self._buffer:
+    def write(self, rows: list[tuple[object, bytes | None, str]]) -> None:
+        if not rows:
             return
-        rows = self._buffer
         refs = [r for r, _, _ in rows]
         table = {
             "ts": np.full(len(rows), time.time_ns(), dtype=np.int64), "topic": [r.topic for r in refs],
@@ -189,16 +173,10 @@ class DeadLetters:
             "size": np.array([len(v or b"") for _, v, _ in rows], dtype=np.uint32),
             "payload_head": [(v or b"")[:64].hex() for _, v, _ in rows],
         }
-        self.store.insert("dlq", table, dedupe_token=_token("dlq", [f"{r.topic}/{r.partition}/{r.offset}" for r, _, _ in rows]))
+        self.store.insert("dlq", table, dedupe_token=_token("dlq", [f"{r.topic}/{r.partition}/{r.offset}" for r in refs]))
         if self.producer is not None:
             for ref, value, reason in rows:
                 self.producer.produce(self.cfg.topic("dlq"), value=value, headers=[
                     ("fs-dlq-reason", reason.encode()), ("fs-dlq-topic", ref.topic.encode()),
                     ("fs-dlq-partition", str(ref.partition).encode()), ("fs-dlq-offset", str(ref.offset).encode())])
             _deliver(self.producer)
-        self._stored += [ref for ref, _, _ in rows]
-        self._buffer.clear()
-
-    def take_stored(self) -> list:
-        out, self._stored = self._stored, []
-        return out

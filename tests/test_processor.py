@@ -144,3 +144,63 @@ def test_late_events_are_counted_not_silently_dropped(store, tmp_path):
     feed(proc, [encode(host_batch(T0, 0.2, 0.3))], acked, start_offset=5)
     proc.flush()
     assert proc.snapshot()["late_events"] == 10
+
+
+class FlakyStore:
+    """The real chDB store, but the next `failures` inserts fail (a stand-in for an outage)."""
+
+    def __init__(self, store, failures):
+        self.store, self.failures = store, failures
+
+    def insert(self, *args, **kwargs):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("store unavailable")
+        return self.store.insert(*args, **kwargs)
+
+    def query(self, *args, **kwargs):
+        return self.store.query(*args, **kwargs)
+
+
+def test_a_failed_flush_acknowledges_nothing_and_its_retry_stores_everything_once(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(FlakyStore(store, failures=2), clock, tmp_path)
+    feed(proc, [encode(host_batch(T0 + k * SEC, 0.2, 0.3)) for k in range(4)], acked)
+    proc.flush()
+    assert acked == [] and proc.stats.store_errors == 1
+    proc.flush()  # the retry fails again, part way
+    assert acked == [] and proc.stats.store_errors == 2
+    proc.flush()
+    assert sorted(acked) == [0, 1]  # the windows of messages 2 and 3 are still open
+    assert store.query("SELECT count() FROM raw_metrics").rows[0][0] == 40
+    assert store.query("SELECT count(), uniqExact(window_start) FROM features").rows[0] == [2, 2]
+
+
+def test_background_flusher_overlaps_storing_with_consuming_and_acks_in_the_loop(store, tmp_path):
+    import asyncio
+    import threading
+
+    from streams.flusher import BackgroundFlusher
+
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    ack_threads = set()
+
+    async def drive():
+        flusher = BackgroundFlusher(proc)
+        for k in range(6):
+            ref = MessageRef("fleetscope.raw.host", 0, k,
+                             ack=lambda k=k: (acked.append(k), ack_threads.add(threading.get_ident())))
+            proc.handle(encode(host_batch(T0 + k * SEC, 0.2, 0.3)), None, ref)
+            clock.now += 1
+            await flusher.maybe_flush()
+        for _ in range(50):
+            clock.now += 1
+            await flusher.maybe_flush()
+            await asyncio.sleep(0.02)
+        flusher.close()
+
+    asyncio.run(drive())
+    assert sorted(acked) == [0, 1, 2, 3, 4, 5]  # the last windows closed on idle
+    assert ack_threads == {threading.get_ident()}
+    assert store.query("SELECT count() FROM features").rows[0][0] == 6
