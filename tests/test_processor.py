@@ -173,7 +173,7 @@ def test_a_failed_flush_acknowledges_nothing_and_its_retry_stores_everything_onc
     proc.flush()
     assert sorted(acked) == [0, 1]  # the windows of messages 2 and 3 are still open
     assert store.query("SELECT count() FROM raw_metrics").rows[0][0] == 40
-    assert store.query("SELECT count(), uniqExact(window_start) FROM features").rows[0] == [2, 2]
+    assert store.query("SELECT count(), uniqExact(window_start) FROM features").rows[0] == (2, 2)
 
 
 def test_background_flusher_overlaps_storing_with_consuming_and_acks_in_the_loop(store, tmp_path):
