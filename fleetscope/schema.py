@@ -24,6 +24,9 @@ METRIC_COLUMNS = {"metric": STR, "device": STR, "value": np.dtype("<f8"), "inter
 SOURCE_COLUMNS: dict[str, dict] = {
     "host": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
     "agent": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
+    # GPU telemetry: device metrics carry the node identity and the GPU index;
+    # per-process metrics carry the process's resolved identity.
+    "nvml": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
 }
 
 

@@ -7,7 +7,7 @@ from fleetscope.config import Config
 
 log = logging.getLogger(__name__)
 
-RAW_SOURCES = ("host", "agent")
+RAW_SOURCES = ("host", "agent", "nvml")
 DERIVED = ("features", "scores", "anomalies", "diagnoses", "dlq")
 
 

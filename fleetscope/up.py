@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from fleetscope.broker import EmbeddedBroker, die_with_parent
 from fleetscope.config import Config
-from fleetscope.topics import all_topics, ensure_topics
+from fleetscope.topics import RAW_SOURCES, all_topics, ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) ->
 def _watch(cfg, agent, streams, bootstrap, duration_s, plain) -> None:
     from rich.console import Console
     from rich.live import Live
-    probe = LagProbe(bootstrap, cfg.consumer_group, [cfg.raw_topic(s) for s in ("host", "agent")])
+    probe = LagProbe(bootstrap, cfg.consumer_group, [cfg.raw_topic(s) for s in RAW_SOURCES])
     console = Console(stderr=False)
     start = time.monotonic()
     history: deque = deque(maxlen=6)  # (time, events_in): the rate is smoothed over ~5 s
