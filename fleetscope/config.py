@@ -43,6 +43,8 @@ class Config:
     sample_interval_s: float = 1.0
     collectors: tuple[str, ...] | None = None  # None: every default-enabled collector
     spool_max_batches: int = 10_000
+    nvml: bool = True  # sample GPUs; without an NVML library this reports one status event
+    nvml_library: str | None = None  # a specific libnvidia-ml path; None: the system's
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}.{name}"
@@ -69,7 +71,8 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_DATA_DIR": "data_dir", "FLEETSCOPE_WINDOW_S": "window_s",
     "FLEETSCOPE_ALLOWED_LATENESS_S": "allowed_lateness_s", "FLEETSCOPE_IDLE_CLOSE_S": "idle_close_s", "FLEETSCOPE_HOST": "host",
     "FLEETSCOPE_SAMPLE_INTERVAL_S": "sample_interval_s", "FLEETSCOPE_COLLECTORS": "collectors",
-    "FLEETSCOPE_CONSUMER_GROUP": "consumer_group",
+    "FLEETSCOPE_CONSUMER_GROUP": "consumer_group", "FLEETSCOPE_NVML": "nvml",
+    "FLEETSCOPE_NVML_LIBRARY": "nvml_library",
 }
 
 
@@ -81,6 +84,14 @@ def _coerce(name: str, raw):
     try:
         if raw is None or raw == "":
             return None if "None" in str(kind) else raw
+        if str(kind) == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
         if "int" in str(kind) and "tuple" not in str(kind):
             return int(raw)
         if "float" in str(kind):

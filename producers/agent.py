@@ -36,6 +36,7 @@ class Agent:
         self.cfg = cfg
         self.publisher = publisher
         self.samplers = samplers  # objects with .sample(now_ns) -> Batch | None
+        self.closers: list = []  # called when the run ends (watcher threads, NVML handles)
         self.ticks = 0
         self.events_sampled = 0
         self._stop = threading.Event()
@@ -67,6 +68,7 @@ class Agent:
                 break
             next_at += interval
             self._stop.wait(max(0.0, next_at - time.monotonic()))
+        self._close_parts()
         left = self.publisher.flush(10.0)
         if left:
             log.warning("%d batches still undelivered at agent stop", left)
@@ -74,9 +76,29 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
 
+    def _close_parts(self) -> None:
+        for close in self.closers:
+            try:
+                close()
+            except Exception:  # stopping must reach every part
+                log.exception("error while stopping %s", close)
+
 
 def build_agent(cfg: Config, bootstrap: str) -> Agent:
     from producers.host.collector import build_collectors
     from producers.host.sampler import HostSampler
     collectors = build_collectors(list(cfg.collectors) if cfg.collectors else None)
-    return Agent(cfg, Publisher(cfg, bootstrap), [HostSampler(cfg.host, collectors)])
+    publisher = Publisher(cfg, bootstrap)
+    agent = Agent(cfg, publisher, [HostSampler(cfg.host, collectors)])
+    if cfg.nvml:
+        from producers.identity import IdentityResolver
+        from producers.nvml.sampler import NvmlSampler
+        from producers.nvml.xid_watcher import XidWatcher
+        nvml = NvmlSampler(cfg.host, resolver=IdentityResolver(host=cfg.host), library_path=cfg.nvml_library)
+        agent.samplers.append(nvml)
+        agent.closers.append(nvml.close)
+        # XID and other critical events are published the moment they happen, not on the tick
+        watcher = XidWatcher(cfg.host, publisher.publish, library_path=cfg.nvml_library)
+        watcher.start()
+        agent.closers.append(watcher.stop)
+    return agent

@@ -5,11 +5,12 @@ inputs cannot support, so absent keys mean "masked", never zero.
 """
 from __future__ import annotations
 
+from streams.gpu_features import gpu_features
 from streams.host_features import host_features
 from streams.windows import Window
 
 FEATURE_VERSION = 1
-BUILDERS = (host_features,)
+BUILDERS = (host_features, gpu_features)
 
 
 def window_features(window: Window) -> dict[str, float]:

@@ -32,6 +32,8 @@ def spawn():
     def start(env: dict[str, str], argv: list[str] = SLEEPER, **kwargs) -> subprocess.Popen:
         proc = subprocess.Popen(argv, env=env, **kwargs)
         procs.append(proc)
+        # Until the child execs, /proc shows the forked copy of pytest (its environ too).
+        wait_until(lambda: _cmdline(proc.pid)[:len(argv)] == list(argv) or proc.poll() is not None)
         return proc
 
     yield start
@@ -39,6 +41,14 @@ def spawn():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 def wait_until(predicate, timeout_s: float = 10.0):

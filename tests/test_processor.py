@@ -204,3 +204,27 @@ def test_background_flusher_overlaps_storing_with_consuming_and_acks_in_the_loop
     assert sorted(acked) == [0, 1, 2, 3, 4, 5]  # the last windows closed on idle
     assert ack_threads == {threading.get_ident()}
     assert store.query("SELECT count() FROM features").rows[0][0] == 6
+
+
+def nvml_rank_batch(ts_ns: int, energy_j: float, sm_util: float) -> Batch:
+    """Per-process NVML rows as the agent emits them for rank 3 of acme/train (no GPU here:
+    these are the rows, not a device)."""
+    names = ("nvml.proc_energy_j", "nvml.proc_sm_util")
+    cols = {"ts_ns": np.full(2, ts_ns, dtype="<i8"), "tenant": StrColumn.constant("acme", 2),
+            "job": StrColumn.constant("train", 2), "rank": np.full(2, 3, dtype="<i4"),
+            "pid": np.full(2, 4242, dtype="<i4"), "gpu": np.zeros(2, dtype="<i2"),
+            "metric": StrColumn(np.arange(2, dtype=np.uint32), names), "device": StrColumn.constant("gpu0", 2),
+            "value": np.array([energy_j, sm_util]), "interval_ns": np.array([SEC // 2, 0], dtype="<i8")}
+    return Batch("nvml", "node-a", cols)
+
+
+def test_gpu_energy_is_summed_per_rank_and_window(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    feed(proc, [encode(nvml_rank_batch(T0 + k * SEC // 2, energy_j=100.0 + k, sm_util=50.0 + k))
+                for k in range(6)], acked)
+    proc.flush()
+    rows = store.query("SELECT rank, feature['gpu_energy_j'], feature['gpu_proc_sm_util'] FROM features "
+                       "WHERE tenant = 'acme' ORDER BY window_start").rows
+    assert rows[0] == (3, pytest.approx(201.0), pytest.approx(50.5))  # ticks 0 and 1
+    assert rows[1] == (3, pytest.approx(205.0), pytest.approx(52.5))

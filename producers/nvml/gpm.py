@@ -1,0 +1,116 @@
+"""GPU Performance Monitoring (GPM, Hopper and newer) for one device, and OFU.
+
+GPM metrics are computed between two samples, so a device keeps two sample
+buffers and swaps them each tick: the first tick only takes a sample, every
+later tick yields the averages over the interval since the previous one.
+
+OFU (overall FLOP utilization), per GPU and tick:
+
+    OFU % = any-tensor-pipe activity % x (SM clock / max SM clock)
+
+It estimates the fraction of the GPU's peak tensor FLOP rate in use: the
+tensor pipes were busy that share of the time, at that share of the top clock.
+Its limits:
+  - tile quantization: a pipe counts as busy for whole tiles, so matrices
+    whose shapes do not fill the tiles (and padding, and partial waves) make
+    the pipe look busier than the useful FLOPs are; OFU over-counts them;
+  - non-tensor work (CUDA-core FP32/FP64 math, elementwise kernels, softmax,
+    communication) moves no tensor pipe and counts as zero; the nvml.gpm.fp*
+    metrics show it separately;
+  - precisions differ in peak rate, and the activity metric does not weight
+    them (an FP8 and an FP16 GEMM at the same activity both read the same);
+  - the clock is the instantaneous SM clock at sample time, while the activity
+    is an average over the interval; under fast clock changes the product is
+    approximate.
+"""
+from __future__ import annotations
+
+import pynvml
+
+# (metric id, name). Percentages are 0..100, rates MiB/s; all are averages over
+# the interval between two GPM samples, so they are published as gauges.
+GPM_METRICS = (
+    (pynvml.NVML_GPM_METRIC_SM_UTIL, "nvml.gpm.sm_util"),
+    (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "nvml.gpm.sm_occupancy"),
+    (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, "nvml.gpm.tensor_util"),
+    (pynvml.NVML_GPM_METRIC_HMMA_TENSOR_UTIL, "nvml.gpm.tensor_util.hmma"),
+    (pynvml.NVML_GPM_METRIC_IMMA_TENSOR_UTIL, "nvml.gpm.tensor_util.imma"),
+    (pynvml.NVML_GPM_METRIC_DMMA_TENSOR_UTIL, "nvml.gpm.tensor_util.dmma"),
+    (pynvml.NVML_GPM_METRIC_DFMA_TENSOR_UTIL, "nvml.gpm.tensor_util.dfma"),
+    (pynvml.NVML_GPM_METRIC_FP64_UTIL, "nvml.gpm.fp64_util"),
+    (pynvml.NVML_GPM_METRIC_FP32_UTIL, "nvml.gpm.fp32_util"),
+    (pynvml.NVML_GPM_METRIC_FP16_UTIL, "nvml.gpm.fp16_util"),
+    (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "nvml.gpm.dram_bw_util"),
+    (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "nvml.gpm.pcie_tx_mibps"),
+    (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "nvml.gpm.pcie_rx_mibps"),
+    (pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC, "nvml.gpm.nvlink_tx_mibps"),
+    (pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, "nvml.gpm.nvlink_rx_mibps"),
+)
+TENSOR_METRIC = "nvml.gpm.tensor_util"
+
+
+def gpm_supported(handle) -> bool:
+    return bool(pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+
+
+def ofu_percent(tensor_util: float, sm_clock: float, sm_clock_max: float) -> float | None:
+    """OFU in percent, or None when the max clock is unknown."""
+    if sm_clock_max <= 0:
+        return None
+    return tensor_util * min(sm_clock / sm_clock_max, 1.0)
+
+
+class GpmReader:
+    """Two GPM sample buffers for one device; `read` yields metrics between ticks."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.metrics = list(GPM_METRICS)  # shrinks as metrics prove unsupported
+        self._prev = None
+        self._cur = None
+
+    def read(self) -> tuple[dict[str, float], list[tuple[str, int]]]:
+        """({metric: value}, [(metric, nvmlReturn) for each that failed]).
+
+        Raises NVMLError when a sample cannot be taken; the next read starts over.
+        """
+        if self._prev is None:
+            self._prev, self._cur = pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()
+            self._take(self._prev)
+            return {}, []
+        self._take(self._cur)
+        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(self.metrics)
+        request.sample1, request.sample2 = self._prev, self._cur
+        for i, (metric_id, _) in enumerate(self.metrics):
+            request.metrics[i].metricId = metric_id
+        pynvml.nvmlGpmMetricsGet(request)
+        self._prev, self._cur = self._cur, self._prev  # this sample starts the next interval
+        values, failed = {}, []
+        for i, (_, name) in enumerate(self.metrics):
+            m = request.metrics[i]
+            if m.nvmlReturn == pynvml.NVML_SUCCESS:
+                values[name] = float(m.value)
+            else:
+                failed.append((name, m.nvmlReturn))
+        return values, failed
+
+    def drop(self, name: str) -> None:
+        self.metrics = [(mid, n) for mid, n in self.metrics if n != name]
+
+    def _take(self, sample) -> None:
+        try:
+            pynvml.nvmlGpmSampleGet(self.handle, sample)
+        except pynvml.NVMLError:
+            self.close()  # a half-taken pair would pair samples across a gap
+            raise
+
+    def close(self) -> None:
+        for sample in (self._prev, self._cur):
+            if sample is not None:
+                try:
+                    pynvml.nvmlGpmSampleFree(sample)
+                except pynvml.NVMLError:
+                    pass  # freeing after a lost GPU or shutdown can fail; nothing left to release
+        self._prev = self._cur = None
