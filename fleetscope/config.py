@@ -45,6 +45,12 @@ class Config:
     spool_max_batches: int = 10_000
     nvml: bool = True  # sample GPUs; without an NVML library this reports one status event
     nvml_library: str | None = None  # a specific libnvidia-ml path; None: the system's
+    # Identity rules: which environment variable names a process's tenant, the
+    # tenant when none does, and the variables that name its job, in precedence order.
+    tenant_env: str = "FLEETSCOPE_TENANT"
+    default_tenant: str = "default"
+    job_env: tuple[str, ...] = ("FLEETSCOPE_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
+                                "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}.{name}"
@@ -72,7 +78,8 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_ALLOWED_LATENESS_S": "allowed_lateness_s", "FLEETSCOPE_IDLE_CLOSE_S": "idle_close_s", "FLEETSCOPE_HOST": "host",
     "FLEETSCOPE_SAMPLE_INTERVAL_S": "sample_interval_s", "FLEETSCOPE_COLLECTORS": "collectors",
     "FLEETSCOPE_CONSUMER_GROUP": "consumer_group", "FLEETSCOPE_NVML": "nvml",
-    "FLEETSCOPE_NVML_LIBRARY": "nvml_library",
+    "FLEETSCOPE_NVML_LIBRARY": "nvml_library", "FLEETSCOPE_TENANT_ENV": "tenant_env",
+    "FLEETSCOPE_DEFAULT_TENANT": "default_tenant", "FLEETSCOPE_JOB_ENV": "job_env",
 }
 
 

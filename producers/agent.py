@@ -84,6 +84,11 @@ class Agent:
                 log.exception("error while stopping %s", close)
 
 
+def identity_rules(cfg: Config):
+    from producers.identity import IdentityRules
+    return IdentityRules(tenant_env=cfg.tenant_env, default_tenant=cfg.default_tenant, job_env=tuple(cfg.job_env))
+
+
 def build_agent(cfg: Config, bootstrap: str) -> Agent:
     from producers.host.collector import build_collectors
     from producers.host.sampler import HostSampler
@@ -94,7 +99,7 @@ def build_agent(cfg: Config, bootstrap: str) -> Agent:
         from producers.identity import IdentityResolver
         from producers.nvml.sampler import NvmlSampler
         from producers.nvml.xid_watcher import XidWatcher
-        nvml = NvmlSampler(cfg.host, resolver=IdentityResolver(host=cfg.host), library_path=cfg.nvml_library)
+        nvml = NvmlSampler(cfg.host, resolver=IdentityResolver(identity_rules(cfg), host=cfg.host), library_path=cfg.nvml_library)
         agent.samplers.append(nvml)
         agent.closers.append(nvml.close)
         # XID and other critical events are published the moment they happen, not on the tick

@@ -1,0 +1,36 @@
+"""Configuration: defaults < TOML file < environment, with clear errors."""
+import pytest
+
+from fleetscope.config import ConfigError, load
+from producers.agent import identity_rules
+
+
+def test_environment_overrides_the_file_which_overrides_defaults(tmp_path):
+    f = tmp_path / "fs.toml"
+    f.write_text('partitions = 8\nwindow_s = 2.5\ndefault_tenant = "ml-platform"\njob_env = ["MY_JOB"]\n')
+    cfg = load(f, env={"FLEETSCOPE_PARTITIONS": "16", "FLEETSCOPE_NVML": "off"})
+    assert (cfg.partitions, cfg.window_s, cfg.nvml) == (16, 2.5, False)
+    rules = identity_rules(cfg)
+    assert (rules.default_tenant, rules.job_env, rules.tenant_env) == ("ml-platform", ("MY_JOB",), "FLEETSCOPE_TENANT")
+
+
+def test_configured_identity_rules_decide_tenant_and_job():
+    rules = identity_rules(load(env={"FLEETSCOPE_TENANT_ENV": "TEAM", "FLEETSCOPE_JOB_ENV": "RUN_NAME,SLURM_JOB_ID"}))
+    env = {"TEAM": "vision", "RUN_NAME": "resnet-7", "SLURM_JOB_ID": "99"}
+    assert rules.tenant(env, pod="") == "vision"
+    assert rules.job(env, host="n1")[0] == "resnet-7"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"FLEETSCOPE_SAMPLE_INTERVAL_S": "0.01"}, "must lie in"),
+    ({"FLEETSCOPE_PARTITIONS": "many"}, "partitions"),
+    ({"FLEETSCOPE_NVML": "maybe"}, "true/false"),
+])
+def test_bad_values_are_clear_errors(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load(env=env)
+
+
+def test_missing_config_file_says_which(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "nope.toml", env={})
