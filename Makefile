@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install up demo test bench bench-codec bench-pipeline
+.PHONY: install up demo test bench bench-codec bench-pipeline bench-sampler
 
 install:
 	bash install.sh
@@ -15,10 +15,13 @@ demo: up
 test:
 	$(VENV)/bin/pytest -q
 
-bench: bench-codec bench-pipeline
+bench: bench-codec bench-pipeline bench-sampler
 
 bench-codec:
 	$(PY) benchmarks/codec_bench.py
 
 bench-pipeline:
 	$(PY) benchmarks/pipeline_bench.py
+
+bench-sampler:
+	$(PY) benchmarks/sampler_cost_bench.py
