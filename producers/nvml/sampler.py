@@ -84,7 +84,7 @@ class NvmlSampler:
             self._opened = True
             count = pynvml.nvmlDeviceGetCount()
         except NvmlUnavailable as exc:
-            log.error("NVML unavailable, GPU telemetry is off on %s: %s", host, exc)
+            log.warning("NVML unavailable, GPU telemetry is off on %s: %s", host, exc)
             self._status("nvml.status", exc.what, 0.0)
             return
         except pynvml.NVMLError as exc:

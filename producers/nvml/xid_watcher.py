@@ -67,7 +67,7 @@ class XidWatcher:
         try:
             open_nvml(self.library_path)
         except NvmlUnavailable as exc:
-            log.error("NVML unavailable, no Xid events on %s: %s", self.host, exc)
+            log.warning("NVML unavailable, no Xid events on %s: %s", self.host, exc)
             self._send("nvml.status", exc.what, 0.0)
             return
         event_set = None
