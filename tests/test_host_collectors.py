@@ -472,3 +472,110 @@ def test_real_host_sampler_batch_validates_and_survives_the_wire():
     intervals = batch.columns["interval_ns"]
     assert set(np.unique(intervals)) <= {0, int(intervals.max())}  # one interval per tick
     assert (batch.columns["value"][intervals > 0] >= 0).all()
+
+
+# ------------------------------------------------- fast paths (cost work)
+
+def test_read_text_reads_a_file_larger_than_one_read_chunk(tmp_path):
+    from producers.host import collector as collector_module
+    text = "".join(f"line {i}\n" for i in range(3 * collector_module._READ_CHUNK // 8))
+    write(tmp_path, "big", text)
+    assert len(text) > 2 * collector_module._READ_CHUNK
+    assert VmstatCollector(proc_root=tmp_path).read_text(str(tmp_path / "big")) == text
+
+
+def test_vmstat_and_meminfo_take_only_well_formed_wanted_lines(tmp_path):
+    write(tmp_path, "vmstat", "pgfault 5\npgfault_extra 7\n  numa_hit 8 \npgmajfault 1 2\nnuma_miss x\n"
+                              "pswpin 3\npswpout")
+    c = VmstatCollector(proc_root=tmp_path)
+    c.collect(1 * SEC)
+    write(tmp_path, "vmstat", "pgfault 9\npgfault_extra 70\n  numa_hit 10 \npgmajfault 5 6\nnuma_miss y\n"
+                              "pswpin 4\npswpout")
+    got = {k: s.value for k, s in by_key(c.collect(2 * SEC)).items()}
+    assert got == {("vm.pgfault", "all"): 4.0, ("vm.numa_hit", "all"): 2.0, ("vm.pswpin", "all"): 1.0}
+    write(tmp_path, "meminfo", " MemTotal :  5 kB\nMemFree:\nCached: x kB\nDirty: 7\nBuffers:1 KB extra\n"
+                               "Writeback: 2 MB\nMemAvailableX: 3 kB\n")
+    got = {k: s.value for k, s in by_key(MeminfoCollector(proc_root=tmp_path).collect(SEC)).items()}
+    assert got == {("mem.total", "all"): 5 * 1024, ("mem.dirty", "all"): 7.0, ("mem.buffers", "all"): 1024.0,
+                   ("mem.writeback", "all"): 2.0}
+
+
+def test_interrupts_same_layout_fast_path_matches_the_aligned_path(tmp_path):
+    # Same rows and columns on both ticks (the fast path), with a backwards counter.
+    write(tmp_path, "interrupts", "  CPU0 CPU1\nA: 1 2 x\nB: 10 20 y\nS: 5\nT: 1\n")
+    c = InterruptsCollector(proc_root=tmp_path)
+    c.collect(1 * SEC)
+    write(tmp_path, "interrupts", "  CPU0 CPU1\nA: 4 2 x\nB: 9 25 y\nS: 7\nT: 3\n")
+    samples = c.collect(2 * SEC)
+    assert all(type(s) is Sample and s.interval_ns == SEC for s in samples)
+    got = {k: s.value for k, s in by_key(samples).items()}
+    # S and T are machine-wide rows (one number, two CPUs).
+    assert got == {("irq.count", "A@cpu0"): 3.0, ("irq.count", "B@cpu1"): 5.0, ("irq.count", "S@all"): 2.0,
+                   ("irq.count", "T@all"): 2.0, ("irq.cpu_total", "cpu0"): 3.0, ("irq.cpu_total", "cpu1"): 5.0}
+    write(tmp_path, "interrupts", "  CPU0 CPU1\nA: 4 2 x\nB: 9 25 y\nS: 7\nT: 3\n")
+    assert {k for k, s in by_key(c.collect(3 * SEC)).items() if s.value} == set()
+
+
+def test_diskstats_asks_sysfs_again_about_a_device_that_left_and_came_back(tmp_path):
+    line = "259 {minor} {name} {r} 0 8 0 5 0 40 0 0 100 200\n"
+    write(tmp_path, "diskstats", line.format(minor=0, name="sdx", r=1))
+    c = DiskstatsCollector(proc_root=tmp_path, sys_root=tmp_path / "sys")
+    c.collect(1 * SEC)
+    write(tmp_path, "diskstats", line.format(minor=0, name="sdx", r=2))
+    assert {d for _, d in by_key(c.collect(2 * SEC))} == {"sdx"}
+    write(tmp_path, "diskstats", "")  # gone ...
+    c.collect(3 * SEC)
+    write(tmp_path, "sys/class/block/sdx/partition", "1\n")  # ... and back as a partition
+    write(tmp_path, "diskstats", line.format(minor=1, name="sdx", r=3))
+    c.collect(4 * SEC)
+    write(tmp_path, "diskstats", line.format(minor=1, name="sdx", r=4))
+    assert c.collect(5 * SEC) == []
+
+
+def test_sampler_columns_match_the_samples_row_for_row():
+    rows = [Sample("m.a", "d2", 1.0, 5), Sample("m.b", "d1", -2.5, 5), Sample("m.a", "d1", 3.0, 0),
+            Sample("m.c", "d2", 4.0, 5)]
+    batch = HostSampler("h", [_Fixed(rows)]).sample(9)
+    cols = batch.columns
+    assert list(zip(cols["metric"].to_numpy().tolist(), cols["device"].to_numpy().tolist(),
+                    cols["value"].tolist(), cols["interval_ns"].tolist())) == [tuple(r) for r in rows]
+    assert cols["metric"].values == ("m.a", "m.b", "m.c") and cols["device"].values == ("d2", "d1")
+    assert cols["metric"].codes.dtype == np.uint32 and cols["value"].dtype == np.dtype("<f8")
+    assert cols["interval_ns"].dtype == np.dtype("<i8")
+
+
+def test_procfs_files_stay_open_and_read_fresh_but_other_trees_are_reopened(tmp_path):
+    c = CpuStatCollector()
+    first = c.read_text("/proc/stat")
+    assert "/proc/stat" in c._fds
+    time.sleep(0.02)
+    second = c.read_text("/proc/stat")
+    ctxt = [int(t.split("\nctxt ")[1].split()[0]) for t in (first, second)]
+    assert ctxt[1] > ctxt[0]  # the kept descriptor gives the kernel's current numbers
+    c.close()
+    assert c._fds == {}
+    write(tmp_path, "stat", "")
+    t = CpuStatCollector(proc_root=tmp_path)
+    assert t.read_text(str(tmp_path / "stat")) == "" and t._fds == {}
+    (tmp_path / "stat").unlink()
+    write(tmp_path, "stat", "ctxt 5\n")  # a new file under the same name is what gets read
+    assert t.read_text(str(tmp_path / "stat")) == "ctxt 5\n"
+
+
+def test_interrupts_python_and_numpy_delta_paths_agree(tmp_path, monkeypatch):
+    import producers.host.interrupts as interrupts_module
+    first = "  CPU0 CPU1 CPU2\nA: 1 2 3 x\nB: 10 20 30 y\nC: 7 7 7 z\nS: 4 5\nT: 1\n"
+    second = "  CPU0 CPU1 CPU2\nA: 4 2 1 x\nB: 10 25 31 y\nC: 7 7 7 z\nS: 6 5\nT: 3\n"
+    results = []
+    for cells in (0, 4096):
+        monkeypatch.setattr(interrupts_module, "_PY_CELLS", cells)
+        write(tmp_path, "interrupts", first)
+        c = InterruptsCollector(proc_root=tmp_path)
+        c.collect(1 * SEC)
+        write(tmp_path, "interrupts", second)
+        results.append(c.collect(2 * SEC))
+    assert results[0] == results[1]
+    assert [(s.metric, s.device, s.value) for s in results[0]] == [
+        ("irq.count", "A@cpu0", 3.0), ("irq.count", "B@cpu1", 5.0), ("irq.count", "B@cpu2", 1.0),
+        ("irq.count", "S@cpu0", 2.0), ("irq.cpu_total", "cpu0", 5.0), ("irq.cpu_total", "cpu1", 5.0),
+        ("irq.cpu_total", "cpu2", 1.0), ("irq.count", "T@all", 2.0)]

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import os
 
-from producers.host.collector import Collector, CounterDeltas, Sample, register
+from producers.host.collector import Collector, CounterDeltas, Sample, make_sample, register
 
 # Column order of the cpu lines (see proc(5)). guest and guest_nice are left
 # out on purpose: the kernel already counts them inside user and nice, so
 # adding them would count that time twice.
 _CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+_CPU_METRICS = tuple(f"cpu.{field}" for field in _CPU_FIELDS)
+_NFIELDS = len(_CPU_FIELDS)
+_GAUGES = {"procs_running": "cpu.procs_running", "procs_blocked": "cpu.procs_blocked"}
 
 
 @register
@@ -21,9 +24,10 @@ class CpuStatCollector(Collector):
         self._seconds_per_tick = 1.0 / os.sysconf("SC_CLK_TCK")
         self._times = CounterDeltas()
         self._ctxt = CounterDeltas()
+        self._path = self.proc("stat")
 
     def collect(self, now_ns: int) -> list[Sample]:
-        text = self.read_text(self.proc("stat"))
+        text = self.read_text(self._path)
         if text is None:
             return []
         times: dict[tuple[str, str], float] = {}
@@ -40,13 +44,13 @@ class CpuStatCollector(Collector):
                     # online CPUs, so a CPU that is offline simply has no keys
                     # and CounterDeltas skips it the tick it comes back.
                     device = "all" if head == "cpu" else head
-                    values = [int(raw) for raw in parts[1:1 + len(_CPU_FIELDS)]]
-                    for field, value in zip(_CPU_FIELDS, values):
-                        times[(f"cpu.{field}", device)] = value
+                    values = list(map(int, parts[1:1 + _NFIELDS]))
+                    for metric, value in zip(_CPU_METRICS, values):
+                        times[(metric, device)] = value
                 elif head == "ctxt":
                     ctxt[("cpu.context_switches", "all")] = int(parts[1])
-                elif head in ("procs_running", "procs_blocked"):
-                    gauges.append(Sample(f"cpu.{head}", "all", float(parts[1]), 0))
+                elif head in _GAUGES:
+                    gauges.append(make_sample((_GAUGES[head], "all", float(parts[1]), 0)))
             except ValueError:
                 continue  # a malformed line costs that line, not the whole file
         return (self._times.samples(now_ns, times, self._seconds_per_tick)

@@ -14,6 +14,9 @@ _SECTOR_BYTES = 512
 _COLUMNS = {"disk.reads": (0, 1), "disk.read_bytes": (2, _SECTOR_BYTES),
             "disk.writes": (4, 1), "disk.write_bytes": (6, _SECTOR_BYTES), "disk.io_ms": (9, 1)}
 
+_METRICS = tuple(_COLUMNS)
+_SPECS = tuple(_COLUMNS.values())
+
 
 @register
 class DiskstatsCollector(Collector):
@@ -22,26 +25,40 @@ class DiskstatsCollector(Collector):
     def __init__(self, proc_root="/proc", sys_root="/sys"):
         super().__init__(proc_root, sys_root)
         self._deltas = CounterDeltas()
+        self._path = self.proc("diskstats")
+        self._block_dir = os.path.join(self.sys_root, "class", "block")
+        # name -> is it a partition. A stat per device per tick was this
+        # collector's main cost; an answer is kept while the device stays in
+        # diskstats and asked again if it leaves and comes back (maybe as
+        # something else under the same name).
+        self._partition: dict[str, bool] = {}
 
     def _is_partition(self, name: str) -> bool:
-        return os.path.exists(os.path.join(self.sys_root, "class", "block", name, "partition"))
+        return os.path.exists(os.path.join(self._block_dir, name, "partition"))
 
     def collect(self, now_ns: int) -> list[Sample]:
-        text = self.read_text(self.proc("diskstats"))
+        text = self.read_text(self._path)
         if text is None:
             return []
         current = {}
+        known, seen = self._partition, {}
         for line in text.splitlines():
             parts = line.split()
             if len(parts) < 13 or parts[2].startswith(_SKIP_PREFIXES):
                 continue
             name, fields = parts[2], parts[3:]
-            if self._is_partition(name):
+            partition = known.get(name)
+            if partition is None:
+                partition = self._is_partition(name)
+            seen[name] = partition
+            if partition:
                 continue  # its I/O is already in its disk's line; summing both would count it twice
             try:
-                for metric, (i, scale) in _COLUMNS.items():
-                    # Scale before differencing is fine: deltas are linear.
-                    current[(metric, name)] = int(fields[i]) * scale
+                # Scale before differencing is fine: deltas are linear.
+                values = [int(fields[i]) * scale for i, scale in _SPECS]
             except ValueError:
                 continue
+            for metric, value in zip(_METRICS, values):
+                current[(metric, name)] = value
+        self._partition = seen
         return self._deltas.samples(now_ns, current)

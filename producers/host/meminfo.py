@@ -1,7 +1,9 @@
 """Memory gauges from /proc/meminfo."""
 from __future__ import annotations
 
-from producers.host.collector import Collector, Sample, register
+import re
+
+from producers.host.collector import Collector, Sample, make_sample, register
 
 # /proc/meminfo field -> our metric. Values with a "kB" unit become bytes;
 # the HugePages_* fields have no unit because they are page counts, and stay so.
@@ -14,27 +16,34 @@ _FIELDS = {
     "Dirty": "mem.dirty", "Writeback": "mem.writeback",
 }
 
+# One C-level scan for the wanted lines only ("Key:  value [unit]"), instead
+# of partitioning and splitting all ~55 lines in Python. Same rule as before:
+# the key (whitespace-trimmed) must be one of ours, the first token after the
+# colon is the value and the second, if any, the unit. The leading literal
+# newline (one is prepended to the text) lets the scan jump between lines.
+_LINE = re.compile(r"\n[^\S\n]*(" + "|".join(map(re.escape, _FIELDS)) + r")[^\S\n]*:[^\S\n]*(\S+)(?:[^\S\n]+(\S+))?",
+                   re.ASCII)
+
 
 @register
 class MeminfoCollector(Collector):
     name = "meminfo"
 
+    def __init__(self, proc_root="/proc", sys_root="/sys"):
+        super().__init__(proc_root, sys_root)
+        self._path = self.proc("meminfo")
+
     def collect(self, now_ns: int) -> list[Sample]:
-        text = self.read_text(self.proc("meminfo"))
+        text = self.read_text(self._path)
         if text is None:
             return []
         out = []
-        for line in text.splitlines():
-            key, _, rest = line.partition(":")
-            metric = _FIELDS.get(key.strip())
-            if metric is None:
-                continue
-            parts = rest.split()
+        for key, raw, unit in _LINE.findall("\n" + text):
             try:
-                value = float(parts[0])
-            except (IndexError, ValueError):
+                value = float(raw)
+            except ValueError:
                 continue
-            if len(parts) > 1 and parts[1].lower() == "kb":
+            if unit and unit.lower() == "kb":
                 value *= 1024
-            out.append(Sample(metric, "all", value, 0))
+            out.append(make_sample((_FIELDS[key], "all", value, 0)))
         return out

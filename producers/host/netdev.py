@@ -7,6 +7,9 @@ from producers.host.collector import Collector, CounterDeltas, Sample, register
 _COLUMNS = {"net.rx_bytes": 0, "net.rx_packets": 1, "net.rx_errs": 2, "net.rx_drop": 3,
             "net.tx_bytes": 8, "net.tx_packets": 9, "net.tx_errs": 10, "net.tx_drop": 11}
 
+_METRICS = tuple(_COLUMNS)
+_INDEXES = tuple(_COLUMNS.values())
+
 
 @register
 class NetdevCollector(Collector):
@@ -15,9 +18,10 @@ class NetdevCollector(Collector):
     def __init__(self, proc_root="/proc", sys_root="/sys"):
         super().__init__(proc_root, sys_root)
         self._deltas = CounterDeltas()
+        self._path = self.proc("net", "dev")
 
     def collect(self, now_ns: int) -> list[Sample]:
-        text = self.read_text(self.proc("net", "dev"))
+        text = self.read_text(self._path)
         if text is None:
             return []
         current = {}
@@ -32,8 +36,9 @@ class NetdevCollector(Collector):
             if len(fields) < 12:
                 continue
             try:
-                for metric, i in _COLUMNS.items():
-                    current[(metric, iface)] = int(fields[i])
+                values = [int(fields[i]) for i in _INDEXES]
             except ValueError:
                 continue
+            for metric, value in zip(_METRICS, values):
+                current[(metric, iface)] = value
         return self._deltas.samples(now_ns, current)

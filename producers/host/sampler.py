@@ -35,11 +35,11 @@ class HostSampler:
         if not samples:
             return None
         n = len(samples)
+        # Samples are tuples: one zip(*) splits them into the four columns.
+        metrics, devices, values, intervals = zip(*samples)
         columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"), **node_identity(self.host, n),
-                   "metric": _str_column([s.metric for s in samples]),
-                   "device": _str_column([s.device for s in samples]),
-                   "value": np.fromiter((s.value for s in samples), dtype="<f8", count=n),
-                   "interval_ns": np.fromiter((s.interval_ns for s in samples), dtype="<i8", count=n)}
+                   "metric": _str_column(metrics), "device": _str_column(devices),
+                   "value": np.array(values, dtype="<f8"), "interval_ns": np.array(intervals, dtype="<i8")}
         spec = SOURCE_COLUMNS["host"]
         # Emit columns in the schema's order, and fail loudly here (not in a
         # consumer) if the schema grows a column this sampler does not fill.
@@ -47,8 +47,10 @@ class HostSampler:
                      columns={name: columns[name] for name in spec})
 
 
-def _str_column(items: list[str]) -> StrColumn:
-    # A dict lookup per row; np.unique over Python objects would sort strings.
-    index: dict[str, int] = {}
-    codes = np.fromiter((index.setdefault(s, len(index)) for s in items), dtype=np.uint32, count=len(items))
-    return StrColumn(codes, tuple(index))
+def _str_column(items: tuple[str, ...]) -> StrColumn:
+    # Dictionary in first-seen order (np.unique over Python objects would sort
+    # strings), then one C-level dict lookup per row.
+    values = tuple(dict.fromkeys(items))
+    index = {s: i for i, s in enumerate(values)}
+    codes = np.fromiter(map(index.__getitem__, items), dtype=np.uint32, count=len(items))
+    return StrColumn(codes, values)
