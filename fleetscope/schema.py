@@ -27,6 +27,7 @@ SOURCE_COLUMNS: dict[str, dict] = {
     # GPU telemetry: device metrics carry the node identity and the GPU index;
     # per-process metrics carry the process's resolved identity.
     "nvml": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
+    "kernel": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
 }
 
 

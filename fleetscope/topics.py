@@ -7,7 +7,7 @@ from fleetscope.config import Config
 
 log = logging.getLogger(__name__)
 
-RAW_SOURCES = ("host", "agent", "nvml")
+RAW_SOURCES = ("host", "agent", "nvml", "kernel")
 DERIVED = ("features", "scores", "anomalies", "diagnoses", "dlq")
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from streams.gpu_features import gpu_features
 from streams.host_features import host_features
+from streams.kernel_features import kernel_features
 from streams.windows import Window
 
 FEATURE_VERSION = 1
-BUILDERS = (host_features, gpu_features)
+BUILDERS = (host_features, gpu_features, kernel_features)
 
 
 def window_features(window: Window) -> dict[str, float]:

@@ -19,7 +19,7 @@ from streams.features import FEATURE_VERSION, window_features
 
 log = logging.getLogger(__name__)
 
-RAW_TABLE = {"host": "raw_metrics", "agent": "raw_metrics", "nvml": "raw_metrics"}
+RAW_TABLE = {"host": "raw_metrics", "agent": "raw_metrics", "nvml": "raw_metrics", "kernel": "raw_metrics"}
 REPLAY_LOOKBACK_S = 900  # batch ids stored this recently count as "already stored" after a restart
 
 

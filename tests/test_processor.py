@@ -228,3 +228,24 @@ def test_gpu_energy_is_summed_per_rank_and_window(store, tmp_path):
                        "WHERE tenant = 'acme' ORDER BY window_start").rows
     assert rows[0] == (3, pytest.approx(201.0), pytest.approx(50.5))  # ticks 0 and 1
     assert rows[1] == (3, pytest.approx(205.0), pytest.approx(52.5))
+
+
+def kernel_rank_batch(ts_ns: int, offcpu_ns: int) -> Batch:
+    """Tracer rows for one traced process of rank 1 of acme/train, as the kernel tracer emits them."""
+    names = ("kernel.offcpu_ns", "kernel.ctx_switches")
+    cols = {"ts_ns": np.full(2, ts_ns, dtype="<i8"), "tenant": StrColumn.constant("acme", 2),
+            "job": StrColumn.constant("train", 2), "rank": np.full(2, 1, dtype="<i4"),
+            "pid": np.full(2, 77, dtype="<i4"), "gpu": np.full(2, -1, dtype="<i2"),
+            "metric": StrColumn(np.arange(2, dtype=np.uint32), names), "device": StrColumn.constant("pid77", 2),
+            "value": np.array([float(offcpu_ns), 50.0]), "interval_ns": np.full(2, SEC // 2, dtype="<i8")}
+    return Batch("kernel", "node-a", cols)
+
+
+def test_off_cpu_time_becomes_waiting_threads_per_rank_window(store, tmp_path):
+    clock, acked = FakeClock(), []
+    proc = make_processor(store, clock, tmp_path)
+    feed(proc, [encode(kernel_rank_batch(T0 + k * SEC // 2, offcpu_ns=SEC // 4)) for k in range(6)], acked)
+    proc.flush()
+    row = store.query("SELECT feature['offcpu_threads'], feature['ctx_switches_per_s'] FROM features "
+                      "WHERE tenant = 'acme' ORDER BY window_start LIMIT 1").rows[0]
+    assert row == (pytest.approx(0.5), pytest.approx(100.0))  # 0.25 s off-CPU per 0.5 s tick

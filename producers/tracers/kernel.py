@@ -1,0 +1,178 @@
+"""KernelTracer: off-CPU time, context switches, TCP retransmits and IRQs from tracepoints.
+
+The BPF side (bpf/kernel.bpf.c) keeps cumulative counters in maps; each
+`sample()` reads them and emits the increase since the previous sample as
+delta rows (interval_ns = time since that sample). Diffing cumulative
+counters, rather than read-then-zero, loses nothing to increments that land
+between the read and the reset.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
+from fleetscope.wire import Batch, StrColumn
+
+log = logging.getLogger(__name__)
+
+BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+TRACEPOINTS = ("sched/sched_switch", "tcp/tcp_retransmit_skb", "irq/irq_handler_entry")
+TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+
+class TracerUnavailable(RuntimeError):
+    """This host cannot run the tracer; the message says why and what to do."""
+
+
+def _check_host() -> None:
+    if os.geteuid() != 0:
+        raise TracerUnavailable("the kernel tracer loads BPF programs and needs root (or CAP_BPF+CAP_PERFMON): "
+                                "run the agent as root or in a privileged container")
+    events = next((Path(t) / "events" for t in TRACEFS if (Path(t) / "events").is_dir()), None)
+    if events is None:
+        raise TracerUnavailable("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing "
+                                "(install.sh does this)")
+    missing = [tp for tp in TRACEPOINTS if not (events / tp).is_dir()]
+    if missing:
+        raise TracerUnavailable(f"this kernel lacks the tracepoint(s) {', '.join(missing)} "
+                                f"(looked under {events}); the kernel tracer cannot run here")
+
+
+class KernelTracer:
+    def __init__(self, host: str, resolver=None, pids: Iterable[int] = ()):
+        _check_host()
+        try:
+            from bcc import BPF  # Debian's python3-bpfcc; the PyPI "bcc" is unrelated
+        except ImportError as e:
+            raise TracerUnavailable(f"bcc is not importable ({e}): install Debian's python3-bpfcc "
+                                    "and run install.sh, which links it into the venv") from e
+        self.host = host
+        self.resolver = resolver
+        try:
+            self.bpf = BPF(text=(BPF_DIR / "kernel.bpf.c").read_bytes(),
+                           cflags=[f"-I{BPF_DIR}", "-Wno-everything"])
+        except Exception as e:  # compile or attach failure: bcc raises bare Exception
+            raise TracerUnavailable(f"loading bpf/kernel.bpf.c failed ({e}); check that kernel headers exist "
+                                    f"at /lib/modules/{os.uname().release}/build (install.sh links them)") from e
+        self._targets = self.bpf[b"targets"]
+        self._offcpu, self._switches = self.bpf[b"offcpu_ns"], self.bpf[b"switches"]
+        self._retrans, self._irqs = self.bpf[b"retransmits"], self.bpf[b"irqs"]
+        from bcc.utils import get_possible_cpus
+        self._cpus = get_possible_cpus()  # per-CPU values come in this order
+        self._last_ns = time.time_ns()
+        # Previous cumulative values, per map, to diff against.
+        self._prev: dict[str, dict] = {"offcpu": {}, "switches": {}, "tcp": {}, "irq": {}}
+        self._prev["irq"] = self._read_irqs()
+        self.pids: set[int] = set()
+        for pid in pids:
+            self.add_pid(pid)
+
+    def add_pid(self, pid: int) -> None:
+        pid = int(pid)
+        self._targets[self._targets.Key(pid)] = self._targets.Leaf(1)
+        self.pids.add(pid)
+
+    def remove_pid(self, pid: int) -> None:
+        pid = int(pid)
+        self.pids.discard(pid)
+        for table in (self._targets, self._offcpu, self._switches):
+            try:
+                del table[table.Key(pid)]
+            except KeyError:
+                pass
+        self._prev["offcpu"].pop(pid, None)
+        self._prev["switches"].pop(pid, None)
+
+    def sample(self, now_ns: int | None = None) -> Batch | None:
+        """Delta rows since the previous sample, or None if nothing changed."""
+        now_ns = time.time_ns() if now_ns is None else int(now_ns)
+        interval = max(now_ns - self._last_ns, 0)
+        self._last_ns = now_ns
+        rows: list[tuple] = []  # (metric, device, value, pid, identity-or-None)
+        for metric, name, table in (("kernel.offcpu_ns", "offcpu", self._offcpu),
+                                    ("kernel.ctx_switches", "switches", self._switches)):
+            current = {k.value: v.value for k, v in table.items()}
+            for pid, delta in self._diff(name, current).items():
+                if pid in self.pids:
+                    rows.append((metric, f"pid{pid}", delta, pid))
+        tcp = {self._conn_label(k): v.value for k, v in self._retrans.items()}
+        rows += [("kernel.tcp_retransmits", dev, d, 0) for dev, d in self._diff("tcp", tcp).items()]
+        rows += [("kernel.irq_count", f"cpu{cpu}", d, 0)
+                 for cpu, d in self._diff("irq", self._read_irqs()).items()]
+        # A traced process that exited has reported its last delta above.
+        for pid in [p for p in self.pids if not os.path.exists(f"/proc/{p}")]:
+            self.remove_pid(pid)
+        return _batch(self.host, rows, now_ns, interval, self._identity) if rows else None
+
+    def close(self) -> None:
+        bpf, self.bpf = getattr(self, "bpf", None), None
+        if bpf is not None:
+            bpf.cleanup()  # detaches the tracepoints and frees the maps
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _diff(self, name: str, current: dict) -> dict:
+        """Positive increases since the last read; keys gone from the map are forgotten."""
+        prev = self._prev[name]
+        # A key absent last time counts from zero (it was created since); a
+        # smaller value means the key was evicted and re-created, so count it whole.
+        out = {}
+        for k, v in current.items():
+            d = v - prev.get(k, 0)
+            if d < 0:
+                d = v
+            if d > 0:
+                out[k] = d
+        self._prev[name] = current
+        return out
+
+    def _read_irqs(self) -> dict:
+        per_cpu = self._irqs.getvalue(self._irqs.Key(0))
+        return {cpu: int(per_cpu[i]) for i, cpu in enumerate(self._cpus)}
+
+    @staticmethod
+    def _conn_label(k) -> str:
+        if k.family == 2:
+            src, dst = ipaddress.IPv4Address(bytes(k.saddr[:4])), ipaddress.IPv4Address(bytes(k.daddr[:4]))
+            return f"{src}:{k.sport}->{dst}:{k.dport}"
+        src, dst = ipaddress.IPv6Address(bytes(k.saddr)), ipaddress.IPv6Address(bytes(k.daddr))
+        return f"[{src}]:{k.sport}->[{dst}]:{k.dport}"
+
+    def _identity(self, pid: int) -> tuple[str, str, int, int]:
+        """(tenant, job, rank, gpu): the resolver's answer, else the node's."""
+        ident = None
+        if pid and self.resolver is not None:
+            try:
+                ident = self.resolver.resolve(pid)
+            except Exception:  # a process can exit mid-resolution; its rows still count
+                log.debug("identity of pid %d not resolved", pid, exc_info=True)
+        if ident is None:
+            return NODE_TENANT, self.host, NO_RANK, NO_GPU
+        gpu = getattr(ident, "gpu", NO_GPU)
+        return (ident.tenant or NODE_TENANT, ident.job or self.host,
+                NO_RANK if ident.rank is None else int(ident.rank), NO_GPU if gpu is None else int(gpu))
+
+
+def _batch(host: str, rows: list[tuple], now_ns: int, interval: int, identity) -> Batch:
+    n = len(rows)
+    metrics, devices, values, pids = zip(*rows)
+    idents = {pid: identity(pid) for pid in set(pids)}  # one resolve per process per tick
+    tenants, jobs, ranks, gpus = zip(*(idents[p] for p in pids))
+    columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"), "tenant": StrColumn.of(tenants),
+               "job": StrColumn.of(jobs), "rank": np.array(ranks, dtype="<i4"),
+               "pid": np.array(pids, dtype="<i4"), "gpu": np.array(gpus, dtype="<i2"),
+               "metric": StrColumn.of(metrics), "device": StrColumn.of(devices),
+               "value": np.array(values, dtype="<f8"), "interval_ns": np.full(n, interval, dtype="<i8")}
+    return Batch(source="kernel", host=host, created_ns=now_ns,
+                 columns={name: columns[name] for name in SOURCE_COLUMNS["kernel"]})
