@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from fleetscope.schema import validate
@@ -52,7 +52,6 @@ class ProcessorStats:
     flushes: int = 0
     store_errors: int = 0
     last_window_end_ns: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class SeenBatches:
@@ -179,7 +178,6 @@ class StreamProcessor:
 
     def snapshot(self) -> dict:
         s = asdict(self.stats)
-        s.pop("extra")
         ws = self.windows.stats
         s.update(open_windows=len(self.windows.open), late_events=ws.late_events,
                  replayed_events=ws.replayed_events, unacked_messages=len(self._pending_refs))

@@ -75,24 +75,12 @@ class ChdbStore(SqlStore):
         if n == 0:
             return 0
         try:
-            df = pd.DataFrame({c.name: _frame_column(c) for c in cols}, copy=False)  # noqa: F841 (read by Python(df))
+            df = pd.DataFrame({c.name: _frame_column(c) for c in cols}, copy=False)
         except (TypeError, ValueError) as exc:  # e.g. NaN inside an Array column
             raise StoreError(f"insert into {table}: {exc}") from None
         names = ", ".join(f"`{c.name}`" for c in cols)
         exprs = ", ".join(_select_expr(c) for c in cols)
-        sql = f"INSERT INTO `{self.database}`.`{table}` ({names}) SELECT {exprs} FROM Python(df)"
-        params: dict[str, Any] = {}
-        if dedupe_token is not None:
-            sql += " SETTINGS insert_deduplication_token = {fs_dedupe_token:String}"
-            params["fs_dedupe_token"] = dedupe_token
-        with self._lock:
-            if self._session is None:
-                raise StoreError("the store is closed")
-            try:
-                # Python(df) is resolved from this frame's locals: keep the call here.
-                self._session.query(sql, "JSONCompact", params=params)
-            except Exception as exc:
-                raise StoreError(f"insert into {table} failed: {exc}") from exc
+        self._insert_from_python(table, names, exprs, df, dedupe_token)
         return n
 
     def _insert_arrow(self, table: str, tbl, dedupe_token: str | None) -> int:
@@ -108,7 +96,15 @@ class ChdbStore(SqlStore):
         if tbl.num_rows == 0:
             return 0
         names = ", ".join(f"`{c}`" for c in tbl.column_names)
-        sql = f"INSERT INTO `{self.database}`.`{table}` ({names}) SELECT {names} FROM Python(tbl)"
+        self._insert_from_python(table, names, names, tbl, dedupe_token)
+        return tbl.num_rows
+
+    def _insert_from_python(self, table: str, names: str, exprs: str, data, dedupe_token: str | None) -> None:
+        """INSERT ... SELECT exprs FROM Python(data), with the dedupe token as a parameter.
+
+        chDB resolves Python(data) from the locals of the frame that calls query(),
+        which is this one: `data` must stay a local here."""
+        sql = f"INSERT INTO `{self.database}`.`{table}` ({names}) SELECT {exprs} FROM Python(data)"
         params: dict[str, Any] = {}
         if dedupe_token is not None:
             sql += " SETTINGS insert_deduplication_token = {fs_dedupe_token:String}"
@@ -117,10 +113,9 @@ class ChdbStore(SqlStore):
             if self._session is None:
                 raise StoreError("the store is closed")
             try:
-                self._session.query(sql, "JSONCompact", params=params)  # Python(tbl) reads this frame's locals
+                self._session.query(sql, "JSONCompact", params=params)
             except Exception as exc:
                 raise StoreError(f"insert into {table} failed: {exc}") from exc
-        return tbl.num_rows
 
     def close(self) -> None:
         with self._lock:

@@ -161,10 +161,7 @@ class NvmlSampler:
         if result is None:
             return
         readings, failed = result
-        for f, code in failed:
-            if code in _UNSUPPORTED:
-                dev.nvlink.remove(f)
-            self._on_error(dev, f"nvlink.{f.name}", pynvml.NVMLError(code))
+        self._report_failed(dev, failed, dev.nvlink.remove, lambda f: f"nvlink.{f.name}")
         for r in readings:
             self._emit(dev, r, now_ns, rows, values)
 
@@ -181,10 +178,7 @@ class NvmlSampler:
         if result is None:
             return
         gpm_values, failed = result
-        for name, code in failed:
-            if code in _UNSUPPORTED:
-                dev.gpm.drop(name)
-            self._on_error(dev, name.removeprefix("nvml."), pynvml.NVMLError(code))
+        self._report_failed(dev, failed, dev.gpm.drop, lambda name: name.removeprefix("nvml."))
         for name, value in gpm_values.items():
             rows.append(_Row(name, dev.label, value, 0, dev.index))
         if TENSOR_METRIC in gpm_values and "nvml.sm_clock_mhz" in values and "nvml.sm_clock_max_mhz" in values:
@@ -225,6 +219,13 @@ class NvmlSampler:
             rows.append(row._replace(interval_ns=energy.interval_ns))
 
     # -- bookkeeping -------------------------------------------------------
+
+    def _report_failed(self, dev: _Device, failed, drop, field_name) -> None:
+        """Per-field failures of a multi-field read: stop asking for what is unsupported, report each."""
+        for key, code in failed:
+            if code in _UNSUPPORTED:
+                drop(key)
+            self._on_error(dev, field_name(key), pynvml.NVMLError(code))
 
     def _call(self, dev: _Device, name: str, fn, *args):
         """fn(*args), or None after handling its NVMLError."""
