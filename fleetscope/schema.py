@@ -29,6 +29,12 @@ SOURCE_COLUMNS: dict[str, dict] = {
     "nvml": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
     "kernel": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
 }
+# Traced sources: uprobe/USDT tracers duty-cycle their probes under an
+# overhead budget, so every row says what fraction of its interval the probe
+# family was attached (1.0 = always on). Counts divide by it downstream.
+TRACED_SOURCES = ("cuda", "nccl", "python", "torch")
+SAMPLE_FRAC = {"sample_frac": np.dtype("<f8")}
+SOURCE_COLUMNS.update({src: {**IDENTITY_COLUMNS, **METRIC_COLUMNS, **SAMPLE_FRAC} for src in TRACED_SOURCES})
 
 
 def validate(batch: Batch) -> None:
