@@ -4,10 +4,11 @@ from __future__ import annotations
 import logging
 
 from fleetscope.config import Config
+from fleetscope.schema import TRACED_SOURCES
 
 log = logging.getLogger(__name__)
 
-RAW_SOURCES = ("host", "agent", "nvml", "kernel")
+RAW_SOURCES = ("host", "agent", "nvml", "kernel", *TRACED_SOURCES)
 DERIVED = ("features", "scores", "anomalies", "diagnoses", "dlq")
 
 

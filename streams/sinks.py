@@ -14,12 +14,13 @@ import numpy as np
 import pyarrow as pa
 
 from fleetscope import wire
+from fleetscope.schema import SOURCE_COLUMNS
 from fleetscope.wire import Batch, StrColumn
 from streams.features import FEATURE_VERSION, window_features
 
 log = logging.getLogger(__name__)
 
-RAW_TABLE = {"host": "raw_metrics", "agent": "raw_metrics", "nvml": "raw_metrics", "kernel": "raw_metrics"}
+RAW_TABLE = {source: "raw_metrics" for source in SOURCE_COLUMNS}
 REPLAY_LOOKBACK_S = 900  # batch ids stored this recently count as "already stored" after a restart
 
 
@@ -80,12 +81,16 @@ class RawSink:
             return pa.chunked_array([pa.array([getattr(b, attr)], pa.string()).take(np.zeros(b.count, np.int32))
                                      for b in batches], pa.string())
 
+        def sample_frac():  # sampled (duty-cycled) sources carry it; everything else saw all events
+            return pa.chunked_array([pa.array(_aligned(b.columns["sample_frac"])) if "sample_frac" in b.columns
+                                     else pa.array(np.ones(b.count)) for b in batches], pa.float64())
+
         ts = pa.chunked_array([pa.array(_aligned(b.columns["ts_ns"]).view("datetime64[ns]")) for b in batches])
         return pa.table({"source": per_batch("source"), "tenant": column("tenant"), "job": column("job"),
                          "host": per_batch("host"), "rank": column("rank"), "pid": column("pid"),
                          "gpu": column("gpu"), "ts": ts, "metric": column("metric"), "device": column("device"),
                          "value": column("value"), "interval_ns": column("interval_ns"),
-                         "batch_id": per_batch("batch_id")})
+                         "sample_frac": sample_frac(), "batch_id": per_batch("batch_id")})
 
 class FeatureSink:
     def __init__(self, cfg, store, producer=None):
