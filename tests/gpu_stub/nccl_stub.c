@@ -1,0 +1,40 @@
+/* Stand-in for libnccl.so.2 (no GPU, no NCCL here): the real exported names
+ * and C signatures, including the by-value 128-byte ncclUniqueId of
+ * ncclCommInitRank, which the x86-64 ABI passes on the stack. */
+#include <stddef.h>
+#include "stub_control.h"
+
+typedef int ncclResult_t, ncclDataType_t, ncclRedOp_t;
+typedef struct ncclComm *ncclComm_t;
+typedef void *cudaStream_t;
+typedef struct { char internal[128]; } ncclUniqueId;
+
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
+    (void)commId; (void)rank; (void)nranks;
+    STUB_CALL("ncclCommInitRank");
+    *comm = (ncclComm_t)stub_fake_ptr(4096);
+    return 0;
+}
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+    (void)s; (void)r; (void)count; (void)dt; (void)op; (void)comm; (void)stream; return STUB_RC("ncclAllReduce");
+}
+ncclResult_t ncclReduceScatter(const void *s, void *r, size_t recvcount, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+    (void)s; (void)r; (void)recvcount; (void)dt; (void)op; (void)comm; (void)stream; return STUB_RC("ncclReduceScatter");
+}
+ncclResult_t ncclAllGather(const void *s, void *r, size_t sendcount, ncclDataType_t dt, ncclComm_t comm, cudaStream_t stream) {
+    (void)s; (void)r; (void)sendcount; (void)dt; (void)comm; (void)stream; return STUB_RC("ncclAllGather");
+}
+ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, ncclDataType_t dt, int root, ncclComm_t comm, cudaStream_t stream) {
+    (void)s; (void)r; (void)count; (void)dt; (void)root; (void)comm; (void)stream; return STUB_RC("ncclBroadcast");
+}
+ncclResult_t ncclReduce(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
+    (void)s; (void)r; (void)count; (void)dt; (void)op; (void)root; (void)comm; (void)stream; return STUB_RC("ncclReduce");
+}
+ncclResult_t ncclSend(const void *s, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm, cudaStream_t stream) {
+    (void)s; (void)count; (void)dt; (void)peer; (void)comm; (void)stream; return STUB_RC("ncclSend");
+}
+ncclResult_t ncclRecv(void *r, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm, cudaStream_t stream) {
+    (void)r; (void)count; (void)dt; (void)peer; (void)comm; (void)stream; return STUB_RC("ncclRecv");
+}
+ncclResult_t ncclGroupStart(void) { return STUB_RC("ncclGroupStart"); }
+ncclResult_t ncclGroupEnd(void) { return STUB_RC("ncclGroupEnd"); }
