@@ -1,0 +1,82 @@
+"""A window's fingerprint: signed subsystem shares in a fixed order.
+
+Each entry is the share of the anomaly that one subsystem carries, signed by
+the direction its features moved (+ up, - down). The absolute values sum to
+1 (or all are 0 when nothing was attributed). Because the inputs are
+unitless (NLL contributions of standardized features, robust peer
+z-scores) and the vector is L1-normalized, fingerprints from different jobs
+and different hardware are directly comparable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from streams.diagnosis.subsystems import SUBSYSTEMS
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    values: tuple[float, ...]  # one per SUBSYSTEMS entry, same order
+
+    def __post_init__(self) -> None:
+        if len(self.values) != len(SUBSYSTEMS):
+            raise ValueError(f"a fingerprint has {len(SUBSYSTEMS)} values, got {len(self.values)}")
+
+    @classmethod
+    def from_shares(cls, shares: Mapping[str, float]) -> "Fingerprint":
+        """Normalize signed subsystem weights (any scale) to a fingerprint."""
+        return cls(_l1(_vector(shares, "shares")))
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(zip(SUBSYSTEMS, self.values))
+
+    def dominant(self) -> str | None:
+        """The subsystem with the largest share, or None for an empty fingerprint."""
+        best = max(range(len(self.values)), key=lambda i: abs(self.values[i]))
+        return SUBSYSTEMS[best] if self.values[best] else None
+
+    def is_empty(self) -> bool:
+        return not any(self.values)
+
+
+def pattern_vector(pattern: Mapping[str, float], where: str = "pattern") -> tuple[float, ...]:
+    """A KB fingerprint pattern ({subsystem: signed weight}) as a normalized vector."""
+    vec = _l1(_vector(pattern, where))
+    if not any(vec):
+        raise ValueError(f"{where}: a fingerprint pattern needs at least one non-zero subsystem weight")
+    return vec
+
+
+def similarity(a: Fingerprint | tuple[float, ...], b: Fingerprint | tuple[float, ...]) -> float:
+    """Cosine similarity in [-1, 1]; 0 when either side is empty.
+
+    Signs matter: a GPU slowdown (gpu_compute down) and a GPU surge
+    (gpu_compute up) point in opposite directions.
+    """
+    va = a.values if isinstance(a, Fingerprint) else a
+    vb = b.values if isinstance(b, Fingerprint) else b
+    na = math.sqrt(sum(x * x for x in va))
+    nb = math.sqrt(sum(x * x for x in vb))
+    if na == 0 or nb == 0:
+        return 0.0
+    return max(-1.0, min(1.0, sum(x * y for x, y in zip(va, vb)) / (na * nb)))
+
+
+def _vector(shares: Mapping[str, float], where: str) -> list[float]:
+    unknown = sorted(set(shares) - set(SUBSYSTEMS))
+    if unknown:
+        raise ValueError(f"{where}: unknown subsystems {unknown}; known: {list(SUBSYSTEMS)}")
+    out = []
+    for sub in SUBSYSTEMS:
+        v = float(shares.get(sub, 0.0))
+        if not math.isfinite(v):
+            raise ValueError(f"{where}: {sub} = {v} is not finite")
+        out.append(v)
+    return out
+
+
+def _l1(vec: list[float]) -> tuple[float, ...]:
+    total = sum(abs(v) for v in vec)
+    return tuple(v / total for v in vec) if total > 0 else tuple(0.0 for _ in vec)

@@ -1,0 +1,274 @@
+"""The knowledge base: one YAML file per known inefficiency, in kb/.
+
+A file holds (every field is checked on load; an error names file and field):
+
+    name: numa_misplacement            # equals the file stem; not "unmatched"
+    description: what it is and why it costs time
+    fingerprint: {host_memory: 0.7, cpu: 0.3}   # signed subsystem weights
+    rules:
+      all:                             # every condition must hold
+        - {feature: numa_miss_ratio, op: ">=", value: 0.1}
+      any:                             # optional: at least one must hold
+        - {peer_z: numa_miss_ratio, op: ">=", value: 3}
+        - {peer_z: nccl_lat_p99_ns, op: ">=", value: 3, abs: false}
+    evidence: [numa_miss_ratio, ...]   # features to show with a diagnosis
+    remediation:
+      command: "numactl --cpunodebind={numa_node} --membind={numa_node} -- ..."
+      # or  write: {path: "/proc/irq/{irq}/smp_affinity_list", value: "{cpus}"}
+      check: "numastat -p {pid}"       # optional, read-only: evidence before/after
+      risk: low | medium | high
+      auto: false                      # may it run without an operator
+      requires: [numactl]              # tools that must exist on the host
+
+A condition reads the window's feature value (`feature`) or its peer z-score
+(`peer_z`); `abs: true` compares the magnitude. A masked (absent) input makes
+its condition false. `{name}` placeholders in commands are filled per argv
+token at plan time (remediation.py), never through a shell.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from streams.diagnosis.fingerprint import pattern_vector
+
+KB_DIR = Path(__file__).resolve().parents[2] / "kb"
+UNMATCHED = "unmatched"
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")
+PARAM_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+OPS: dict[str, Callable[[float, float], bool]] = {
+    ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
+    "==": operator.eq, "!=": operator.ne,
+}
+RISKS = ("low", "medium", "high")
+
+
+class KBError(ValueError):
+    """A KB file is malformed; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    source: str       # "feature" | "peer_z"
+    name: str
+    op: str
+    value: float
+    use_abs: bool = False
+
+    def read(self, features: Mapping[str, float], peer_z: Mapping[str, float]) -> float | None:
+        table = features if self.source == "feature" else peer_z
+        v = table.get(self.name)
+        if v is None:
+            return None
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            return None
+        if not math.isfinite(v):
+            return None
+        return abs(v) if self.use_abs else v
+
+    def holds(self, features: Mapping[str, float], peer_z: Mapping[str, float]) -> bool:
+        v = self.read(features, peer_z)
+        return v is not None and OPS[self.op](v, self.value)
+
+    def describe(self) -> str:
+        lhs = f"{self.source}.{self.name}" if self.source == "peer_z" else self.name
+        return f"{'|' + lhs + '|' if self.use_abs else lhs} {self.op} {self.value:g}"
+
+
+@dataclass(frozen=True)
+class Remediation:
+    kind: str                  # "command" | "write"
+    argv: tuple[str, ...]      # command: argv template tokens
+    write_path: str = ""       # write: path template
+    write_value: str = ""      # write: value template
+    check: tuple[str, ...] = ()  # read-only argv template for evidence
+    risk: str = "low"
+    auto: bool = False
+    requires: tuple[str, ...] = ()
+
+    def placeholders(self) -> list[str]:
+        texts = list(self.argv) + [self.write_path, self.write_value] + list(self.check)
+        return sorted({m for t in texts for m in PLACEHOLDER_RE.findall(t)})
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    description: str
+    fingerprint: tuple[float, ...]
+    all_rules: tuple[Condition, ...]
+    any_rules: tuple[Condition, ...]
+    evidence: tuple[str, ...]
+    remediation: Remediation
+    path: Path = field(default=Path(), compare=False)
+
+
+def load_kb(kb_dir: Path | str = KB_DIR) -> dict[str, Entry]:
+    """Every kb_dir/*.yaml, validated; all problems are reported together."""
+    kb_dir = Path(kb_dir)
+    files = sorted(kb_dir.glob("*.yaml"))
+    if not files:
+        raise KBError(f"{kb_dir}: no *.yaml knowledge-base files")
+    entries: dict[str, Entry] = {}
+    errors: list[str] = []
+    for path in files:
+        try:
+            entry = load_entry(path)
+        except KBError as exc:
+            errors.append(str(exc))
+            continue
+        entries[entry.name] = entry
+    if errors:
+        raise KBError("invalid knowledge base:\n  " + "\n  ".join(errors))
+    return entries
+
+
+def load_entry(path: Path) -> Entry:
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise KBError(f"{path}: not valid YAML: {exc}") from None
+    return parse_entry(doc, path)
+
+
+def parse_entry(doc: Any, path: Path) -> Entry:
+    where = str(path)
+    if not isinstance(doc, dict):
+        raise KBError(f"{where}: the file must hold a mapping, got {type(doc).__name__}")
+    known = {"name", "description", "fingerprint", "rules", "evidence", "remediation"}
+    _no_unknown(doc, known, where)
+    name = _required(doc, "name", str, where)
+    if not NAME_RE.match(name) or name == UNMATCHED:
+        raise KBError(f"{where}: name {name!r} must match {NAME_RE.pattern} and not be {UNMATCHED!r}")
+    if name != path.stem:
+        raise KBError(f"{where}: name {name!r} must equal the file name {path.stem!r}")
+    description = _required(doc, "description", str, where).strip()
+    pattern = _required(doc, "fingerprint", dict, where)
+    try:
+        fingerprint = pattern_vector(pattern, f"{where}: fingerprint")
+    except (TypeError, ValueError) as exc:
+        raise KBError(str(exc) if str(exc).startswith(where) else f"{where}: fingerprint: {exc}") from None
+    rules = _required(doc, "rules", dict, where)
+    _no_unknown(rules, {"all", "any"}, f"{where}: rules")
+    all_rules = _conditions(rules.get("all", []), f"{where}: rules.all")
+    any_rules = _conditions(rules.get("any", []), f"{where}: rules.any")
+    if not all_rules and not any_rules:
+        raise KBError(f"{where}: rules: give at least one condition under `all` or `any`")
+    evidence = _required(doc, "evidence", list, where)
+    if not evidence or not all(isinstance(e, str) and e for e in evidence):
+        raise KBError(f"{where}: evidence must be a non-empty list of feature names")
+    remediation = _remediation(_required(doc, "remediation", dict, where), f"{where}: remediation")
+    return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path)
+
+
+def _conditions(items: Any, where: str) -> tuple[Condition, ...]:
+    if not isinstance(items, list):
+        raise KBError(f"{where}: must be a list of conditions")
+    out = []
+    for i, item in enumerate(items):
+        w = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise KBError(f"{w}: a condition is a mapping like {{feature: X, op: '>=', value: 1}}")
+        _no_unknown(item, {"feature", "peer_z", "op", "value", "abs"}, w)
+        sources = [s for s in ("feature", "peer_z") if s in item]
+        if len(sources) != 1:
+            raise KBError(f"{w}: give exactly one of `feature` or `peer_z`")
+        name = item[sources[0]]
+        if not isinstance(name, str) or not name:
+            raise KBError(f"{w}.{sources[0]}: must be a feature name")
+        op = item.get("op")
+        if op not in OPS:
+            raise KBError(f"{w}.op: {op!r} is not one of {list(OPS)}")
+        value = item.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise KBError(f"{w}.value: must be a finite number, got {value!r}")
+        use_abs = item.get("abs", False)
+        if not isinstance(use_abs, bool):
+            raise KBError(f"{w}.abs: must be true or false")
+        out.append(Condition(sources[0], name, op, float(value), use_abs))
+    return tuple(out)
+
+
+def _remediation(doc: dict, where: str) -> Remediation:
+    _no_unknown(doc, {"command", "write", "check", "risk", "auto", "requires"}, where)
+    kinds = [k for k in ("command", "write") if k in doc]
+    if len(kinds) != 1:
+        raise KBError(f"{where}: give exactly one of `command` or `write`")
+    argv: tuple[str, ...] = ()
+    path = value = ""
+    if kinds[0] == "command":
+        argv = _argv(doc["command"], f"{where}.command")
+    else:
+        w = doc["write"]
+        if not isinstance(w, dict) or set(w) != {"path", "value"}:
+            raise KBError(f"{where}.write: must be a mapping with exactly `path` and `value`")
+        path, value = str(w["path"]), str(w["value"])
+        if not path.startswith(("/sys/", "/proc/")):
+            raise KBError(f"{where}.write.path: {path!r} must lie under /sys/ or /proc/")
+        for text, w2 in ((path, "path"), (value, "value")):
+            _placeholders(text, f"{where}.write.{w2}")
+    check = _argv(doc["check"], f"{where}.check") if "check" in doc else ()
+    risk = doc.get("risk")
+    if risk not in RISKS:
+        raise KBError(f"{where}.risk: {risk!r} is not one of {list(RISKS)}")
+    auto = doc.get("auto")
+    if not isinstance(auto, bool):
+        raise KBError(f"{where}.auto: must be true or false (say it explicitly)")
+    requires = doc.get("requires", [])
+    if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
+        raise KBError(f"{where}.requires: must be a list of tool names")
+    return Remediation(kinds[0], argv, path, value, check, risk, auto, tuple(requires))
+
+
+def _argv(command: Any, where: str) -> tuple[str, ...]:
+    if isinstance(command, list) and all(isinstance(t, str) for t in command):
+        tokens = list(command)
+    elif isinstance(command, str):
+        try:
+            tokens = shlex.split(command)
+        except ValueError as exc:
+            raise KBError(f"{where}: cannot split {command!r}: {exc}") from None
+    else:
+        raise KBError(f"{where}: must be a string or a list of strings")
+    if not tokens:
+        raise KBError(f"{where}: empty command")
+    if any(t in ("|", "||", "&&", ";", ">", ">>", "<") or t.startswith(("$(", "`")) for t in tokens):
+        raise KBError(f"{where}: shell syntax in {command!r}; commands run without a shell "
+                      "(use `write:` to set a /sys or /proc value)")
+    for t in tokens:
+        _placeholders(t, where)
+    return tuple(tokens)
+
+
+def _placeholders(text: str, where: str) -> None:
+    for name in PLACEHOLDER_RE.findall(text):
+        if not PARAM_RE.match(name):
+            raise KBError(f"{where}: placeholder {{{name}}} must be a lower-case identifier")
+    stray = PLACEHOLDER_RE.sub("", text)
+    if "{" in stray or "}" in stray:
+        raise KBError(f"{where}: unbalanced brace in {text!r}")
+
+
+def _required(doc: dict, key: str, kind: type, where: str):
+    if key not in doc:
+        raise KBError(f"{where}: missing field `{key}`")
+    value = doc[key]
+    if not isinstance(value, kind):
+        raise KBError(f"{where}: `{key}` must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _no_unknown(doc: dict, known: set[str], where: str) -> None:
+    unknown = sorted(str(k) for k in set(doc) - known)
+    if unknown:
+        raise KBError(f"{where}: unknown fields {unknown}; allowed: {sorted(known)}")

@@ -1,0 +1,94 @@
+"""Match an anomaly to KB entries, each with a confidence in [0, 1].
+
+An entry is a candidate only when its rules pass: every `all` condition
+holds and, if it has `any` conditions, at least one does. A masked input
+makes its condition false, so an entry never matches on missing data.
+
+confidence = 0.5 * rule_part + 0.5 * pattern_part, where
+- rule_part    = (conditions that held) / (conditions the entry has), so an
+                 entry whose `any` alternatives all hold is surer;
+- pattern_part = max(0, cosine similarity of the window's fingerprint and
+                 the entry's fingerprint pattern).
+
+An anomaly that no entry accepts is diagnosed as "unmatched" (confidence 0)
+and keeps its evidence: the top attributed features.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from streams.diagnosis.anomaly import Anomaly
+from streams.diagnosis.attribution import Attribution, attribute
+from streams.diagnosis.fingerprint import similarity
+from streams.diagnosis.kb import UNMATCHED, Entry
+
+
+@dataclass(frozen=True)
+class Match:
+    entry: str
+    confidence: float
+    similarity: float                # fingerprint vs pattern, in [-1, 1]
+    held: tuple[str, ...]            # the conditions that held, as text
+    evidence: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Diagnosis:
+    anomaly: Anomaly
+    attribution: Attribution
+    matches: list[Match]             # best first; empty means unmatched
+
+    @property
+    def best(self) -> str:
+        return self.matches[0].entry if self.matches else UNMATCHED
+
+    @property
+    def confidence(self) -> float:
+        return self.matches[0].confidence if self.matches else 0.0
+
+    def rows(self) -> list[Match]:
+        """What gets stored and published: every match, or one `unmatched`."""
+        if self.matches:
+            return list(self.matches)
+        top = {fs.feature: fs.weight * fs.sign for fs in self.attribution.top}
+        return [Match(UNMATCHED, 0.0, 0.0, (), evidence_of(self.anomaly, list(top)) | _prefixed("share.", top))]
+
+
+def match_entry(entry: Entry, anomaly: Anomaly, attribution: Attribution) -> Match | None:
+    feats, peers = anomaly.features, anomaly.peer_z
+    if not all(c.holds(feats, peers) for c in entry.all_rules):
+        return None
+    any_held = [c for c in entry.any_rules if c.holds(feats, peers)]
+    if entry.any_rules and not any_held:
+        return None
+    held = [c.describe() for c in entry.all_rules] + [c.describe() for c in any_held]
+    rule_part = len(held) / (len(entry.all_rules) + len(entry.any_rules))
+    sim = similarity(attribution.fingerprint, entry.fingerprint)
+    confidence = 0.5 * rule_part + 0.5 * max(0.0, sim)
+    return Match(entry.name, round(confidence, 6), round(sim, 6), tuple(held), evidence_of(anomaly, entry.evidence))
+
+
+def diagnose(anomaly: Anomaly, kb: Mapping[str, Entry], min_confidence: float = 0.0,
+             attribution: Attribution | None = None) -> Diagnosis:
+    """Attribute the anomaly and rank every KB entry that accepts it."""
+    attribution = attribution or attribute(anomaly.contributions, anomaly.peer_z)
+    matches = [m for entry in kb.values()
+               if (m := match_entry(entry, anomaly, attribution)) is not None and m.confidence >= min_confidence]
+    matches.sort(key=lambda m: (-m.confidence, -len(m.held), m.entry))
+    return Diagnosis(anomaly, attribution, matches)
+
+
+def evidence_of(anomaly: Anomaly, names) -> dict[str, float]:
+    """Feature values and their peer z-scores (`peer_z.<name>`); masked ones are left out."""
+    out: dict[str, float] = {}
+    for name in names:
+        if name in anomaly.features:
+            out[name] = float(anomaly.features[name])
+        if name in anomaly.peer_z:
+            out[f"peer_z.{name}"] = float(anomaly.peer_z[name])
+    return out
+
+
+def _prefixed(prefix: str, d: Mapping[str, float]) -> dict[str, float]:
+    return {prefix + k: float(v) for k, v in d.items()}
