@@ -8,9 +8,15 @@ Two inputs, each normalized to sum 1 over the features it covers:
 A feature's weight is alpha * contribution share + (1 - alpha) * peer share;
 when only one input is present it carries the full weight.
 
-Direction: the sign of the feature's peer z-score. A feature with no peer
-z-score (a single-rank job, or every rank moved together) counts as "up",
-since the model's contribution has no direction of its own.
+Direction: a feature's sign is that of its peer z-score. A feature without
+one at |z| >= z_floor (a single-rank job, or every rank moved together) has
+no known direction, since the model's contribution carries none; it counts
+as "up" and, when it leads its subsystem, that subsystem is marked unsigned
+in the fingerprint (compared by magnitude only).
+
+A subsystem's share is the sum of its features' weights (features never
+cancel each other: clock down and temperature up are both GPU evidence), and
+its sign is that of its heaviest feature, the subsystem's leading indicator.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ class FeatureShare:
     subsystem: str
     weight: float   # share of the anomaly, in [0, 1]
     sign: int       # +1 up, -1 down vs the job's peers
+    signed: bool = True  # False: no peer z-score gave a direction (sign is +1 by convention)
 
 
 @dataclass
@@ -45,7 +52,8 @@ def attribute(contributions: Mapping[str, float], peer_z: Mapping[str, float],
     peers = _normalized({f: abs(z) for f, z in peer_z.items() if _finite(z) and abs(z) >= z_floor})
     a = alpha if contrib and peers else (1.0 if contrib else 0.0)
 
-    shares: dict[str, float] = {}
+    magnitude: dict[str, float] = {}
+    leader: dict[str, FeatureShare] = {}
     features: list[FeatureShare] = []
     unattributed: list[str] = []
     for feature in sorted(set(contrib) | set(peers)):
@@ -57,11 +65,17 @@ def attribute(contributions: Mapping[str, float], peer_z: Mapping[str, float],
             unattributed.append(feature)
             continue
         z = peer_z.get(feature, 0.0)
-        sign = -1 if _finite(z) and z < 0 else 1
-        shares[sub] = shares.get(sub, 0.0) + sign * weight
-        features.append(FeatureShare(feature, sub, weight, sign))
+        signed = feature in peers
+        sign = -1 if signed and z < 0 else 1
+        fs = FeatureShare(feature, sub, weight, sign, signed)
+        magnitude[sub] = magnitude.get(sub, 0.0) + weight
+        if sub not in leader or weight > leader[sub].weight:  # features arrive sorted: ties keep the first name
+            leader[sub] = fs
+        features.append(fs)
     features.sort(key=lambda fs: (-fs.weight, fs.feature))
-    return Attribution(Fingerprint.from_shares(shares), features[:top_k], unattributed)
+    shares = {sub: leader[sub].sign * m for sub, m in magnitude.items()}
+    unsigned = [sub for sub, fs in leader.items() if not fs.signed]
+    return Attribution(Fingerprint.from_shares(shares, unsigned), features[:top_k], unattributed)
 
 
 def _finite(v) -> bool:

@@ -2,7 +2,10 @@
 
 Each entry is the share of the anomaly that one subsystem carries, signed by
 the direction its features moved (+ up, - down). The absolute values sum to
-1 (or all are 0 when nothing was attributed). Because the inputs are
+1 (or all are 0 when nothing was attributed). A subsystem whose direction
+is unknown (its leading feature moved with every rank of the job, so there
+is no peer z-score to sign it) is marked in `unsigned`; comparisons then use
+its magnitude only: where the anomaly is, not which way it went. Because the inputs are
 unitless (NLL contributions of standardized features, robust peer
 z-scores) and the vector is L1-normalized, fingerprints from different jobs
 and different hardware are directly comparable.
@@ -18,16 +21,21 @@ from streams.diagnosis.subsystems import SUBSYSTEMS
 
 @dataclass(frozen=True)
 class Fingerprint:
-    values: tuple[float, ...]  # one per SUBSYSTEMS entry, same order
+    values: tuple[float, ...]           # one per SUBSYSTEMS entry, same order
+    unsigned: frozenset[str] = frozenset()  # subsystems whose direction is unknown
 
     def __post_init__(self) -> None:
         if len(self.values) != len(SUBSYSTEMS):
             raise ValueError(f"a fingerprint has {len(SUBSYSTEMS)} values, got {len(self.values)}")
+        unknown = set(self.unsigned) - set(SUBSYSTEMS)
+        if unknown:
+            raise ValueError(f"unsigned names unknown subsystems {sorted(unknown)}")
 
     @classmethod
-    def from_shares(cls, shares: Mapping[str, float]) -> "Fingerprint":
+    def from_shares(cls, shares: Mapping[str, float], unsigned=()) -> "Fingerprint":
         """Normalize signed subsystem weights (any scale) to a fingerprint."""
-        return cls(_l1(_vector(shares, "shares")))
+        vec = _l1(_vector(shares, "shares"))
+        return cls(vec, frozenset(s for s in unsigned if vec[SUBSYSTEMS.index(s)]))
 
     def as_dict(self) -> dict[str, float]:
         return dict(zip(SUBSYSTEMS, self.values))
@@ -53,15 +61,18 @@ def similarity(a: Fingerprint | tuple[float, ...], b: Fingerprint | tuple[float,
     """Cosine similarity in [-1, 1]; 0 when either side is empty.
 
     Signs matter: a GPU slowdown (gpu_compute down) and a GPU surge
-    (gpu_compute up) point in opposite directions.
+    (gpu_compute up) point in opposite directions. Where either side's
+    direction is unknown, that subsystem compares by magnitude.
     """
-    va = a.values if isinstance(a, Fingerprint) else a
-    vb = b.values if isinstance(b, Fingerprint) else b
+    va, ua = (a.values, a.unsigned) if isinstance(a, Fingerprint) else (a, frozenset())
+    vb, ub = (b.values, b.unsigned) if isinstance(b, Fingerprint) else (b, frozenset())
     na = math.sqrt(sum(x * x for x in va))
     nb = math.sqrt(sum(x * x for x in vb))
     if na == 0 or nb == 0:
         return 0.0
-    return max(-1.0, min(1.0, sum(x * y for x, y in zip(va, vb)) / (na * nb)))
+    unsigned = ua | ub
+    dot = sum(abs(x * y) if sub in unsigned else x * y for sub, x, y in zip(SUBSYSTEMS, va, vb))
+    return max(-1.0, min(1.0, dot / (na * nb)))
 
 
 def _vector(shares: Mapping[str, float], where: str) -> list[float]:
