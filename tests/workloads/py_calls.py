@@ -1,0 +1,40 @@
+"""A Python workload with known call counts, for the Python tracer tests.
+
+Waits for a go-file (argv[1]) to appear, so the tracer can attach first;
+then calls leaf() LEAF_CALLS times (each through middle(), which calls it
+twice), runs gc.collect() GC_CALLS times, writes argv[1] + ".done" and
+sleeps (argv[2] seconds, default 30) so the tracer can sample before exit.
+"""
+import gc
+import os
+import sys
+import time
+
+LEAF_CALLS = 2000
+GC_CALLS = 5
+
+
+def leaf(x):
+    return x + 1
+
+
+def middle(x):
+    return leaf(leaf(x))
+
+
+def run():
+    total = 0
+    for i in range(LEAF_CALLS // 2):
+        total += middle(i)
+    for _ in range(GC_CALLS):
+        gc.collect()
+    return total
+
+
+if __name__ == "__main__":
+    go = sys.argv[1]
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    run()
+    open(go + ".done", "w").close()
+    time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 30)
