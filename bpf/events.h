@@ -23,4 +23,72 @@ struct tcp_conn {
     u16 pad;
 };
 
+/* ---- Python VM (bpf/python.bpf.c, producers/tracers/python_vm.py) ----
+ * A Python function is keyed by the addresses of its file and function name
+ * strings (the UTF-8 buffers of the interned co_filename / co_name), so the
+ * hot path hashes three integers and never copies a string; the strings are
+ * read once, when a key is first seen. */
+#define PY_STACK_MAX 32
+#define PY_FILE_LEN 160
+#define PY_NAME_LEN 64
+#define PY_PREFIX_MAX 8
+
+struct py_func_key {
+    u32 pid;
+    u32 pad;
+    u64 file;
+    u64 name;
+};
+
+struct py_func_stats {
+    u64 calls;      /* function__entry hits, cumulative */
+    u64 returns;    /* function__return hits, cumulative */
+    u64 ns;         /* inclusive time of matched entry/return pairs */
+    u32 skip;       /* 1: file outside the configured prefixes (not counted) */
+    u32 pad;
+};
+
+struct py_func_name {
+    char file[PY_FILE_LEN];
+    char name[PY_NAME_LEN];
+};
+
+/* Per-thread call stack of traced frames, for inclusive time. */
+struct py_stack {
+    u32 depth;      /* true depth; only the first PY_STACK_MAX frames are timed */
+    u32 pad;
+    u64 ts[PY_STACK_MAX];
+    u64 file[PY_STACK_MAX];
+    u64 name[PY_STACK_MAX];
+};
+
+struct py_prefix {
+    u32 len;
+    u32 pad;
+    char text[PY_FILE_LEN];
+};
+
+struct py_gc_stats {
+    u64 count;
+    u64 ns;
+};
+
+/* ---- PyTorch ops (bpf/torch.bpf.c, producers/tracers/torch_ops.py) ----
+ * One uprobe per op wrapper symbol; the op is the probed function's address. */
+struct torch_op_key {
+    u32 pid;
+    u32 pad;
+    u64 ip;         /* bpf_get_func_ip: the wrapper's address in the process */
+};
+
+struct torch_op_stats {
+    u64 calls;
+    u64 ns;
+};
+
+struct torch_frame {
+    u64 ts;
+    u64 ip;
+};
+
 #endif
