@@ -91,4 +91,83 @@ struct torch_frame {
     u64 ip;
 };
 
+/* ---- GPU calls: CUDA runtime/driver and NCCL (bpf/cuda.bpf.c, bpf/nccl.bpf.c,
+ * producers/tracers/cuda.py, nccl.py, gpu_calls.py) ----
+ * Entry saves the arguments in a per-thread hash (key = pid_tgid); return
+ * pairs with it and adds duration, return code and bytes to per-(pid, api)
+ * stats, so the hot path never leaves the kernel. Latency goes into a
+ * quarter-octave histogram: bucket = 4*log2(ns) + the next two bits
+ * (values < 4 ns: bucket = ns), so a bucket spans at most 25% of its value. */
+#define GPU_LAT_BUCKETS 128
+#define GPU_CALL_ARGS 6
+
+struct gpu_call_key {
+    u32 pid;
+    u32 api;        /* the tracer's API id (cuda.py / nccl.py tables) */
+};
+
+/* A finer key: (pid, api, something), e.g. kernel function, memcpy kind, peer, comm. */
+struct gpu_sub_key {
+    u32 pid;
+    u32 api;
+    u64 sub;
+};
+
+struct gpu_call_stats {  /* cumulative */
+    u64 calls;
+    u64 dur_ns;
+    u64 errors;     /* return code != 0 */
+    u64 bytes;
+    u64 lat[GPU_LAT_BUCKETS];
+};
+
+struct gpu_inflight {
+    u64 ts;
+    u32 api;
+    u32 pad;
+    u64 arg[GPU_CALL_ARGS];
+};
+
+/* One decoded call, sent only in detail mode (a ring buffer), for tests and debugging. */
+struct gpu_call_event {
+    u64 ts;         /* entry, bpf_ktime_get_ns */
+    u64 dur_ns;
+    u32 pid;
+    u32 tid;
+    u32 api;
+    s32 rc;
+    u64 arg[GPU_CALL_ARGS];
+};
+
+struct cuda_mem_stats {  /* per pid, cumulative; live = malloc - free */
+    u64 malloc_bytes;
+    u64 free_bytes;
+    u64 mallocs;
+    u64 frees;
+};
+
+struct nccl_comm_info {
+    s32 rank;
+    s32 nranks;
+};
+
+static __always_inline u32 gpu_lat_bucket(u64 ns) {
+    if (ns < 4)
+        return ns;
+    if (ns >> 32)
+        return GPU_LAT_BUCKETS - 1;
+    u32 l = bpf_log2l(ns) - 1;  /* bcc's bpf_log2l is floor(log2) + 1 */
+    return l * 4 + ((ns >> (l - 2)) & 3);
+}
+
+static __always_inline void gpu_stats_add(struct gpu_call_stats *s, u64 dur, s32 rc, u64 bytes) {
+    __sync_fetch_and_add(&s->calls, 1);
+    __sync_fetch_and_add(&s->dur_ns, dur);
+    __sync_fetch_and_add(&s->bytes, bytes);
+    if (rc != 0)
+        __sync_fetch_and_add(&s->errors, 1);
+    u32 b = gpu_lat_bucket(dur) & (GPU_LAT_BUCKETS - 1);  /* a no-op mask the verifier can see */
+    __sync_fetch_and_add(&s->lat[b], 1);
+}
+
 #endif

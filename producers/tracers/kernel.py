@@ -15,10 +15,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
-
-from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
-from fleetscope.wire import Batch, StrColumn
+from fleetscope.wire import Batch
+from producers.tracers.rows import identity, metric_batch
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +107,7 @@ class KernelTracer:
         # A traced process that exited has reported its last delta above.
         for pid in [p for p in self.pids if not os.path.exists(f"/proc/{p}")]:
             self.remove_pid(pid)
-        return _batch(self.host, rows, now_ns, interval, self._identity) if rows else None
+        return metric_batch("kernel", self.host, rows, now_ns, interval, self._identity) if rows else None
 
     def close(self) -> None:
         bpf, self.bpf = getattr(self, "bpf", None), None
@@ -150,29 +148,4 @@ class KernelTracer:
         return f"[{src}]:{k.sport}->[{dst}]:{k.dport}"
 
     def _identity(self, pid: int) -> tuple[str, str, int, int]:
-        """(tenant, job, rank, gpu): the resolver's answer, else the node's."""
-        ident = None
-        if pid and self.resolver is not None:
-            try:
-                ident = self.resolver.resolve(pid)
-            except Exception:  # a process can exit mid-resolution; its rows still count
-                log.debug("identity of pid %d not resolved", pid, exc_info=True)
-        if ident is None:
-            return NODE_TENANT, self.host, NO_RANK, NO_GPU
-        gpu = getattr(ident, "gpu", NO_GPU)
-        return (ident.tenant or NODE_TENANT, ident.job or self.host,
-                NO_RANK if ident.rank is None else int(ident.rank), NO_GPU if gpu is None else int(gpu))
-
-
-def _batch(host: str, rows: list[tuple], now_ns: int, interval: int, identity) -> Batch:
-    n = len(rows)
-    metrics, devices, values, pids = zip(*rows)
-    idents = {pid: identity(pid) for pid in set(pids)}  # one resolve per process per tick
-    tenants, jobs, ranks, gpus = zip(*(idents[p] for p in pids))
-    columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"), "tenant": StrColumn.of(tenants),
-               "job": StrColumn.of(jobs), "rank": np.array(ranks, dtype="<i4"),
-               "pid": np.array(pids, dtype="<i4"), "gpu": np.array(gpus, dtype="<i2"),
-               "metric": StrColumn.of(metrics), "device": StrColumn.of(devices),
-               "value": np.array(values, dtype="<f8"), "interval_ns": np.full(n, interval, dtype="<i8")}
-    return Batch(source="kernel", host=host, created_ns=now_ns,
-                 columns={name: columns[name] for name in SOURCE_COLUMNS["kernel"]})
+        return identity(self.resolver, self.host, pid)

@@ -1,0 +1,248 @@
+/* CUDA runtime (libcudart) and driver (libcuda) calls, with uprobe+uretprobe
+ * pairs attached per traced pid. API_* and FAM_* ids come from
+ * producers/tracers/cuda.py as -D flags, so the two can never disagree.
+ *
+ * Entry stores the arguments in `inflight` (key = pid_tgid; driver calls set
+ * bit 63 so a runtime call that enters the driver inside it keeps its own
+ * slot). Return pairs with it and aggregates into maps that user space reads
+ * once per sample: nothing leaves the kernel per call unless DETAIL is set,
+ * which adds one ring-buffer record per call (tests, debugging). */
+#include <uapi/linux/ptrace.h>
+#include "events.h"
+
+#define DRIVER_TAG (1ULL << 63)
+
+/* LRU: an entry whose return never comes (the uretprobe was detached while
+ * the call ran, or the thread died inside it) ages out instead of filling the map. */
+BPF_TABLE("lru_hash", u64, struct gpu_inflight, inflight, 65536);
+BPF_HASH(stats, struct gpu_call_key, struct gpu_call_stats, 4096);
+BPF_ARRAY(zero_stats, struct gpu_call_stats, 1);  /* an initial value too big for the stack */
+BPF_HASH(launches, struct gpu_sub_key, u64, 16384);    /* (pid, api, host stub or CUfunction) -> calls */
+BPF_HASH(memcpy_kind, struct gpu_sub_key, u64, 1024);  /* (pid, api, cudaMemcpyKind) -> bytes */
+BPF_HASH(allocs, struct gpu_sub_key, u64, 262144);     /* (pid, 0, pointer) -> size, live allocations */
+BPF_HASH(mem, u32, struct cuda_mem_stats, 1024);       /* per pid */
+BPF_ARRAY(hits, u64, N_FAMILIES);                      /* probe-pair hits per family */
+BPF_ARRAY(lost, u64, 1);                               /* map-full and ring-buffer-full failures */
+#ifdef DETAIL
+BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
+#endif
+
+static __always_inline void count_lost(void) {
+    int z = 0;
+    lost.increment(z);
+}
+
+/* bcc rewrites map calls only outside macros, and its increment() cannot
+ * report a full map: these add with loss counting. */
+static __always_inline void add_launch(struct gpu_sub_key *k) {
+    u64 zero = 0, *p = launches.lookup_or_try_init(k, &zero);
+    if (p)
+        __sync_fetch_and_add(p, 1);
+    else
+        count_lost();
+}
+
+static __always_inline void add_copy(struct gpu_sub_key *k, u64 bytes) {
+    u64 zero = 0, *p = memcpy_kind.lookup_or_try_init(k, &zero);
+    if (p)
+        __sync_fetch_and_add(p, bytes);
+    else
+        count_lost();
+}
+
+static __always_inline int enter(u32 api, u32 family, u64 tag, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4, u64 a5) {
+    u64 id = bpf_get_current_pid_tgid() | tag;
+    struct gpu_inflight f = {.ts = bpf_ktime_get_ns(), .api = api, .arg = {a0, a1, a2, a3, a4, a5}};
+    if (inflight.update(&id, &f) != 0)
+        count_lost();
+    hits.increment(family);
+    return 0;
+}
+
+static __always_inline void add_mem(u32 pid, u64 malloc_bytes, u64 free_bytes) {
+    struct cuda_mem_stats z = {};
+    struct cuda_mem_stats *m = mem.lookup_or_try_init(&pid, &z);
+    if (!m) {
+        count_lost();
+        return;
+    }
+    if (malloc_bytes) {
+        __sync_fetch_and_add(&m->malloc_bytes, malloc_bytes);
+        __sync_fetch_and_add(&m->mallocs, 1);
+    } else {
+        __sync_fetch_and_add(&m->free_bytes, free_bytes);
+        __sync_fetch_and_add(&m->frees, 1);
+    }
+}
+
+static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u64 id = pid_tgid | tag;
+    struct gpu_inflight *fp = inflight.lookup(&id);
+    if (!fp)
+        return 0;  /* entered before the probes were attached */
+    struct gpu_inflight f = *fp;
+    inflight.delete(&id);
+    u64 dur = bpf_ktime_get_ns() - f.ts;
+    s32 rc = PT_REGS_RC(ctx);
+    u32 pid = pid_tgid >> 32;
+    u64 bytes = 0;
+    struct gpu_sub_key sk = {.pid = pid, .api = f.api};
+    switch (f.api) {
+    case API_cudaLaunchKernel: case API_cudaLaunchCooperativeKernel:
+    case API_cuLaunchKernel: case API_cuLaunchKernelEx:
+        sk.sub = f.arg[0];
+        add_launch(&sk);
+        break;
+    case API_cudaMemcpy: case API_cudaMemcpyAsync:
+        bytes = f.arg[2];
+        sk.sub = f.arg[3];
+        if (rc == 0)
+            add_copy(&sk, bytes);
+        break;
+    case API_cudaMemset:
+        bytes = f.arg[2];
+        break;
+    case API_cudaMalloc: case API_cudaMallocHost: case API_cuMemAlloc_v2:
+        bytes = f.arg[1];
+        if (rc == 0) {
+            u64 ptr = 0;
+            bpf_probe_read_user(&ptr, sizeof(ptr), (void *)f.arg[0]);
+            f.arg[0] = ptr;  /* the detail record shows the allocation, not its out-parameter */
+            struct gpu_sub_key ak = {.pid = pid, .sub = ptr};
+            if (allocs.update(&ak, &bytes) != 0)
+                count_lost();
+            else
+                add_mem(pid, bytes, 0);
+        }
+        break;
+    case API_cudaFree: case API_cudaFreeHost: case API_cuMemFree_v2:
+        if (rc == 0) {
+            struct gpu_sub_key ak = {.pid = pid, .sub = f.arg[0]};
+            u64 *size = allocs.lookup(&ak);
+            if (size) {  /* unknown pointers were allocated before tracing began */
+                bytes = *size;
+                allocs.delete(&ak);
+                add_mem(pid, 0, bytes);
+            }
+        }
+        f.arg[1] = bytes;
+        break;
+    }
+    struct gpu_call_key k = {.pid = pid, .api = f.api};
+    int z = 0;
+    struct gpu_call_stats *init = zero_stats.lookup(&z);
+    if (!init)
+        return 0;
+    struct gpu_call_stats *s = stats.lookup_or_try_init(&k, init);
+    if (s)
+        gpu_stats_add(s, dur, rc, bytes);
+    else
+        count_lost();
+#ifdef DETAIL
+    struct gpu_call_event *e = calls.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_lost();
+        return 0;
+    }
+    e->ts = f.ts;
+    e->dur_ns = dur;
+    e->pid = pid;
+    e->tid = (u32)pid_tgid;
+    e->api = f.api;
+    e->rc = rc;
+    __builtin_memcpy(e->arg, f.arg, sizeof(e->arg));
+    calls.ringbuf_submit(e, 0);
+#endif
+    return 0;
+}
+
+int ret_runtime(struct pt_regs *ctx) { return leave(ctx, 0); }
+int ret_driver(struct pt_regs *ctx) { return leave(ctx, DRIVER_TAG); }
+
+/* Stack arguments: at a uprobe on the first instruction, [sp] is the return
+ * address and the 7th, 8th, ... integer arguments follow. Read only in DETAIL. */
+static __always_inline void stack_args(struct pt_regs *ctx, u64 *out, int n) {
+#ifdef DETAIL
+    bpf_probe_read_user(out, n * sizeof(u64), (void *)(PT_REGS_SP(ctx) + 8));
+#endif
+}
+
+/* cudaLaunchKernel(func, dim3 grid, dim3 block, args, sharedMem, stream): each
+ * 12-byte dim3 travels in two registers (x|y<<32, z). Recorded as
+ * [func, grid x|y<<32, grid z|block z<<32, block x|y<<32, sharedMem, stream]. */
+static __always_inline int enter_launch(struct pt_regs *ctx, u32 api) {
+    u64 st[2] = {};
+    stack_args(ctx, st, 2);
+    return enter(api, FAM_launch, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx),
+                 (PT_REGS_PARM3(ctx) & 0xffffffff) | (PT_REGS_PARM5(ctx) << 32), PT_REGS_PARM4(ctx), st[0], st[1]);
+}
+int on_cudaLaunchKernel(struct pt_regs *ctx) { return enter_launch(ctx, API_cudaLaunchKernel); }
+int on_cudaLaunchCooperativeKernel(struct pt_regs *ctx) { return enter_launch(ctx, API_cudaLaunchCooperativeKernel); }
+int on_cudaGraphLaunch(struct pt_regs *ctx) {
+    return enter(API_cudaGraphLaunch, FAM_launch, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
+}
+/* cudaMemcpy(dst, src, count, kind), cudaMemcpyAsync(..., stream) */
+int on_cudaMemcpy(struct pt_regs *ctx) {
+    return enter(API_cudaMemcpy, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
+                 PT_REGS_PARM4(ctx), 0, 0);
+}
+int on_cudaMemcpyAsync(struct pt_regs *ctx) {
+    return enter(API_cudaMemcpyAsync, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
+                 PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), 0);
+}
+/* cudaMemset(ptr, value, count) */
+int on_cudaMemset(struct pt_regs *ctx) {
+    return enter(API_cudaMemset, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), 0, 0, 0);
+}
+/* Allocators (void **out, size) and frees (ptr). */
+int on_cudaMalloc(struct pt_regs *ctx) {
+    return enter(API_cudaMalloc, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
+}
+int on_cudaMallocHost(struct pt_regs *ctx) {
+    return enter(API_cudaMallocHost, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
+}
+int on_cudaFree(struct pt_regs *ctx) { return enter(API_cudaFree, FAM_memory, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0); }
+int on_cudaFreeHost(struct pt_regs *ctx) {
+    return enter(API_cudaFreeHost, FAM_memory, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
+}
+/* Synchronization: the stream or event waited on (none for the device). */
+int on_cudaStreamSynchronize(struct pt_regs *ctx) {
+    return enter(API_cudaStreamSynchronize, FAM_sync, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
+}
+int on_cudaDeviceSynchronize(struct pt_regs *ctx) { return enter(API_cudaDeviceSynchronize, FAM_sync, 0, 0, 0, 0, 0, 0, 0); }
+int on_cudaEventSynchronize(struct pt_regs *ctx) {
+    return enter(API_cudaEventSynchronize, FAM_sync, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
+}
+
+/* Driver. cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sharedMem, stream, params, extra):
+ * bz, sharedMem and stream are on the stack. Same record layout as the runtime launch. */
+int on_cuLaunchKernel(struct pt_regs *ctx) {
+    u64 st[3] = {};
+    stack_args(ctx, st, 3);
+    return enter(API_cuLaunchKernel, FAM_launch, DRIVER_TAG, PT_REGS_PARM1(ctx),
+                 (PT_REGS_PARM2(ctx) & 0xffffffff) | (PT_REGS_PARM3(ctx) << 32),
+                 (PT_REGS_PARM4(ctx) & 0xffffffff) | (st[0] << 32),
+                 (PT_REGS_PARM5(ctx) & 0xffffffff) | (PT_REGS_PARM6(ctx) << 32), st[1] & 0xffffffff, st[2]);
+}
+/* cuLaunchKernelEx(const CUlaunchConfig *config, f, params, extra): dims,
+ * sharedMem and stream come from the config struct (CUDA 12 layout). */
+int on_cuLaunchKernelEx(struct pt_regs *ctx) {
+    u32 c[8] = {};
+    u64 stream = 0;
+#ifdef DETAIL
+    bpf_probe_read_user(c, 7 * sizeof(u32), (void *)PT_REGS_PARM1(ctx));
+    bpf_probe_read_user(&stream, sizeof(stream), (void *)(PT_REGS_PARM1(ctx) + 32));
+#endif
+    return enter(API_cuLaunchKernelEx, FAM_launch, DRIVER_TAG, PT_REGS_PARM2(ctx),
+                 c[0] | ((u64)c[1] << 32), c[2] | ((u64)c[5] << 32), c[3] | ((u64)c[4] << 32), c[6], stream);
+}
+int on_cuMemAlloc_v2(struct pt_regs *ctx) {
+    return enter(API_cuMemAlloc_v2, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
+}
+int on_cuMemFree_v2(struct pt_regs *ctx) {
+    return enter(API_cuMemFree_v2, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
+}
+int on_cuStreamSynchronize(struct pt_regs *ctx) {
+    return enter(API_cuStreamSynchronize, FAM_sync, DRIVER_TAG, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
+}
