@@ -1,0 +1,153 @@
+/* NCCL calls (libnccl), with uprobe+uretprobe pairs attached per traced pid.
+ * API_* and FAM_* ids come from producers/tracers/nccl.py as -D flags.
+ * Same pairing as bpf/cuda.bpf.c: entry saves the arguments per thread
+ * (key = pid_tgid), return adds duration, return code and bytes to maps. */
+#include <uapi/linux/ptrace.h>
+#include "events.h"
+
+#define NONE ((u64)-1)
+
+BPF_TABLE("lru_hash", u64, struct gpu_inflight, inflight, 65536);
+BPF_HASH(stats, struct gpu_call_key, struct gpu_call_stats, 4096);
+BPF_ARRAY(zero_stats, struct gpu_call_stats, 1);
+BPF_HASH(peer_bytes, struct gpu_sub_key, u64, 4096);        /* (pid, Send/Recv, peer) -> bytes */
+BPF_HASH(comms, struct gpu_sub_key, struct nccl_comm_info, 1024);  /* (pid, 0, comm) -> rank, nranks */
+BPF_ARRAY(hits, u64, N_FAMILIES);
+BPF_ARRAY(lost, u64, 1);
+#ifdef DETAIL
+BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
+#endif
+
+static __always_inline void count_lost(void) {
+    int z = 0;
+    lost.increment(z);
+}
+
+/* ncclDataType_t -> bytes per element (NCCL 2.x numbering). */
+static __always_inline u64 dtype_size(u64 dt) {
+    switch (dt) {
+    case 0: case 1: case 10: case 11: return 1;   /* int8, uint8, fp8 e4m3, fp8 e5m2 */
+    case 6: case 9: return 2;                     /* float16, bfloat16 */
+    case 2: case 3: case 7: return 4;             /* int32, uint32, float32 */
+    case 4: case 5: case 8: return 8;             /* int64, uint64, float64 */
+    }
+    return 0;
+}
+
+/* Record layout: [count, datatype, op, peer or root, comm, stream]; NONE where the call has none. */
+static __always_inline int enter(u32 api, u64 count, u64 dt, u64 op, u64 peer, u64 comm, u64 stream) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct gpu_inflight f = {.ts = bpf_ktime_get_ns(), .api = api, .arg = {count, dt, op, peer, comm, stream}};
+    if (inflight.update(&id, &f) != 0)
+        count_lost();
+    hits.increment(FAM_collectives);
+    return 0;
+}
+
+static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {  /* the nth stack argument (7th integer arg = 0) */
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n + 1)));
+    return v;
+}
+
+int ret_nccl(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct gpu_inflight *fp = inflight.lookup(&id);
+    if (!fp)
+        return 0;
+    struct gpu_inflight f = *fp;
+    inflight.delete(&id);
+    u64 dur = bpf_ktime_get_ns() - f.ts;
+    s32 rc = PT_REGS_RC(ctx);
+    u32 pid = id >> 32;
+    u64 bytes = 0;
+    if (f.api == API_ncclCommInitRank) {
+        u64 comm = 0;
+        if (rc == 0 && bpf_probe_read_user(&comm, sizeof(comm), (void *)f.arg[0]) == 0) {
+            struct gpu_sub_key ck = {.pid = pid, .sub = comm};
+            struct nccl_comm_info info = {.rank = (s32)f.arg[3], .nranks = (s32)f.arg[1]};
+            if (comms.update(&ck, &info) != 0)
+                count_lost();
+        }
+        f.arg[4] = comm;
+    } else if (f.api != API_ncclGroupStart && f.api != API_ncclGroupEnd) {
+        bytes = f.arg[0] * dtype_size(f.arg[1]);
+        if (f.api == API_ncclSend || f.api == API_ncclRecv) {
+            struct gpu_sub_key pk = {.pid = pid, .api = f.api, .sub = f.arg[3]};
+            u64 zero = 0, *p = peer_bytes.lookup_or_try_init(&pk, &zero);
+            if (p)
+                __sync_fetch_and_add(p, bytes);
+            else
+                count_lost();
+        }
+    }
+    struct gpu_call_key k = {.pid = pid, .api = f.api};
+    int z = 0;
+    struct gpu_call_stats *init = zero_stats.lookup(&z);
+    if (!init)
+        return 0;
+    struct gpu_call_stats *s = stats.lookup_or_try_init(&k, init);
+    if (s)
+        gpu_stats_add(s, dur, rc, bytes);
+    else
+        count_lost();
+#ifdef DETAIL
+    struct gpu_call_event *e = calls.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_lost();
+        return 0;
+    }
+    e->ts = f.ts;
+    e->dur_ns = dur;
+    e->pid = pid;
+    e->tid = (u32)id;
+    e->api = f.api;
+    e->rc = rc;
+    __builtin_memcpy(e->arg, f.arg, sizeof(e->arg));
+    calls.ringbuf_submit(e, 0);
+#endif
+    return 0;
+}
+
+/* ncclAllReduce(send, recv, count, dt, op, comm, stream@stack) */
+int on_ncclAllReduce(struct pt_regs *ctx) {
+    return enter(API_ncclAllReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
+                 PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
+}
+/* ncclReduceScatter(send, recv, recvcount, dt, op, comm, stream@stack) */
+int on_ncclReduceScatter(struct pt_regs *ctx) {
+    return enter(API_ncclReduceScatter, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
+                 PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
+}
+/* ncclAllGather(send, recv, sendcount, dt, comm, stream) */
+int on_ncclAllGather(struct pt_regs *ctx) {
+    return enter(API_ncclAllGather, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, NONE, PT_REGS_PARM5(ctx),
+                 PT_REGS_PARM6(ctx));
+}
+/* ncclBroadcast(send, recv, count, dt, root, comm, stream@stack) */
+int on_ncclBroadcast(struct pt_regs *ctx) {
+    return enter(API_ncclBroadcast, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, (s32)PT_REGS_PARM5(ctx),
+                 PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
+}
+/* ncclReduce(send, recv, count, dt, op, root, comm@stack, stream@stack) */
+int on_ncclReduce(struct pt_regs *ctx) {
+    return enter(API_ncclReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), (s32)PT_REGS_PARM6(ctx),
+                 stack_arg(ctx, 0), stack_arg(ctx, 1));
+}
+/* ncclSend(buf, count, dt, peer, comm, stream), ncclRecv(same) */
+int on_ncclSend(struct pt_regs *ctx) {
+    return enter(API_ncclSend, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), NONE, (s32)PT_REGS_PARM4(ctx),
+                 PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+}
+int on_ncclRecv(struct pt_regs *ctx) {
+    return enter(API_ncclRecv, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), NONE, (s32)PT_REGS_PARM4(ctx),
+                 PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+}
+int on_ncclGroupStart(struct pt_regs *ctx) { return enter(API_ncclGroupStart, 0, NONE, NONE, NONE, NONE, NONE); }
+int on_ncclGroupEnd(struct pt_regs *ctx) { return enter(API_ncclGroupEnd, 0, NONE, NONE, NONE, NONE, NONE); }
+/* ncclCommInitRank(comm *out, nranks, ncclUniqueId (128 bytes, by value: on
+ * the stack, so it takes no register), rank). Record: [out, nranks, -, rank, comm at return, -]. */
+int on_ncclCommInitRank(struct pt_regs *ctx) {
+    return enter(API_ncclCommInitRank, PT_REGS_PARM1(ctx), (s32)PT_REGS_PARM2(ctx), NONE, (s32)PT_REGS_PARM3(ctx),
+                 0, NONE);
+}
