@@ -1,0 +1,173 @@
+"""Workload (a): real PyTorch DDP training on the CPU with the gloo backend.
+
+Run one process per rank with a torchrun-style environment (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID); `benchmarks/workloads/launch.py` does that
+through torchrun. A few Linear layers train on synthetic data; each rank sleeps
+`--sleep-ms` per step so that 2 ranks leave CPU for the agent beside them.
+
+At the end each rank prints one JSON line to stdout (and writes it to
+`$FLEETSCOPE_WORKLOAD_RESULT_DIR/rank<RANK>.json` when that is set):
+    {"workload": "ddp_train", "rank": 0, "world_size": 2, "steps": 50, "elapsed_s": 2.1,
+     "steps_per_s": 23.8, "pid": 1234, "faults_seen": [...]}
+
+Opt-in fault knobs (the workload is ours; the fault injector never edits this code).
+Some faults live inside a training process and cannot be caused from outside without
+changing the program (a GC storm, a slow input pipeline). For those the workload reads
+FLEETSCOPE_WORKLOAD_CONTROL_DIR at start; if set, it checks `<dir>/rank<RANK>.json` each
+step (one stat call) and applies what the file asks for while it exists:
+    {"gc_storm": {"cycles_per_step": 20000}}      allocate and drop reference cycles
+    {"dataloader_stall": {"ms_per_batch": 80}}    fetching a batch blocks like slow storage
+Without the variable, no knob exists and nothing is checked.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+CONTROL_ENV = "FLEETSCOPE_WORKLOAD_CONTROL_DIR"
+RESULT_ENV = "FLEETSCOPE_WORKLOAD_RESULT_DIR"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: use --duration-s)")
+    p.add_argument("--duration-s", type=float, default=30.0, help="stop after this long when --steps is 0")
+    p.add_argument("--sleep-ms", type=float, default=20.0, help="sleep per step, to keep the CPU share light")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--features", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps <= 0 and args.duration_s <= 0:
+        p.error("give --steps > 0 or --duration-s > 0")
+    return args
+
+
+class Control:
+    """The per-rank control file for opt-in faults; re-read only when its mtime changes."""
+
+    def __init__(self, rank: int):
+        base = os.environ.get(CONTROL_ENV)
+        self.path = os.path.join(base, f"rank{rank}.json") if base else None
+        self.knobs: dict = {}
+        self.seen: set[str] = set()
+        self._mtime: float | None = None
+
+    def poll(self) -> dict:
+        if self.path is None:
+            return self.knobs
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except FileNotFoundError:
+            self.knobs, self._mtime = {}, None
+            return self.knobs
+        if mtime != self._mtime:
+            try:
+                with open(self.path) as f:
+                    self.knobs = json.load(f)
+            except (OSError, ValueError) as e:  # a half-written file: keep the old knobs, say so
+                print(f"ddp_train: cannot read {self.path}: {e}", file=sys.stderr)
+                return self.knobs
+            self._mtime = mtime
+            self.seen.update(self.knobs)
+        return self.knobs
+
+
+class SyntheticData(Dataset):
+    """Random regression data, generated per item."""
+
+    def __init__(self, features: int, rank: int, world: int, length: int = 1 << 30):
+        self.features, self.rank, self.world, self.length = features, rank, world, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed((i * self.world + self.rank) % (1 << 32))  # rank-disjoint
+        x = torch.randn(self.features, generator=g)
+        return x, x[:8].sum(dim=0, keepdim=True)
+
+
+def make_model(features: int, hidden: int, layers: int) -> nn.Module:
+    mods: list[nn.Module] = [nn.Linear(features, hidden), nn.ReLU()]
+    for _ in range(layers - 1):
+        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+    mods.append(nn.Linear(hidden, 1))
+    return nn.Sequential(*mods)
+
+
+def gc_storm(cycles: int) -> None:
+    """Allocate reference cycles and drop them: only the cyclic GC can free them."""
+    for _ in range(cycles):
+        a: list = []
+        a.append(a)
+
+
+def apply_knobs(knobs: dict) -> None:
+    if "gc_storm" in knobs:
+        gc_storm(int(knobs["gc_storm"].get("cycles_per_step", 20000)))
+    if "dataloader_stall" in knobs:
+        time.sleep(float(knobs["dataloader_stall"].get("ms_per_batch", 80)) / 1000.0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        print(f"ddp_train: missing {', '.join(missing)} in the environment; start it with torchrun "
+              "or benchmarks/workloads/launch.py", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    control = Control(rank)
+    data = SyntheticData(args.features, rank, world)
+    loader = iter(DataLoader(data, batch_size=args.batch, num_workers=0))  # sequential: lazy
+    model = DistributedDataParallel(make_model(args.features, args.hidden, args.layers))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+    sleep_s = args.sleep_ms / 1000.0
+
+    dist.barrier()
+    t0 = time.monotonic()
+    deadline = t0 + args.duration_s
+    steps = 0
+    while (steps < args.steps) if args.steps > 0 else (time.monotonic() < deadline):
+        knobs = control.poll()
+        apply_knobs(knobs)  # the input pipeline and the interpreter, before the batch is used
+        x, y = next(loader)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()  # DDP all-reduces gradients here over gloo
+        opt.step()
+        steps += 1
+        if sleep_s > 0:
+            time.sleep(sleep_s)
+    elapsed = time.monotonic() - t0
+    # Steps/s measured before the final barrier, which waits for the slowest rank.
+    dist.barrier()
+    result = json.dumps({"workload": "ddp_train", "rank": rank, "world_size": world, "steps": steps,
+                         "elapsed_s": round(elapsed, 4), "steps_per_s": round(steps / elapsed, 4),
+                         "pid": os.getpid(), "loss": round(loss.item(), 6), "faults_seen": sorted(control.seen)})
+    print(result, flush=True)
+    if os.environ.get(RESULT_ENV):  # the launcher reads these; stdout can be shared by many ranks
+        with open(os.path.join(os.environ[RESULT_ENV], f"rank{rank}.json"), "w") as f:
+            f.write(result)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

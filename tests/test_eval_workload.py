@@ -1,0 +1,53 @@
+"""Workload (a): real 2-rank DDP training over gloo, started through torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from benchmarks.workloads.launch import DEBIAN_PYTHON, environ_of, launch, venv_site_packages
+
+
+def test_two_rank_gloo_training_reports_steps_per_s_and_torchrun_identity(tmp_path):
+    run = launch(2, ["--steps", "30", "--sleep-ms", "5"], run_id="evaltest-ddp", log_path=tmp_path / "run.log")
+    try:
+        pids = run.rank_pids()
+        envs = {r: environ_of(p) for r, p in pids.items()}
+        results = run.wait(60)
+    finally:
+        run.stop()
+    assert sorted(pids) == [0, 1]
+    for rank, env in envs.items():  # what the agent's identity resolver reads from /proc
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["TORCHELASTIC_RUN_ID"] == "evaltest-ddp" and env["MASTER_ADDR"] and env["MASTER_PORT"]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["pid"] for r in results] == [pids[0], pids[1]]
+    for r in results:
+        assert r["steps"] == 30 and r["world_size"] == 2
+        assert 1.0 < r["steps_per_s"] < 1000.0, r
+    # DDP keeps replicas identical, but each rank saw its own data: losses differ.
+    assert results[0]["loss"] != results[1]["loss"]
+
+
+@pytest.mark.skipif(not os.path.exists(DEBIAN_PYTHON), reason=f"{DEBIAN_PYTHON} (the USDT Python) is not installed")
+def test_runs_under_debian_python_with_gc_storm_knob(tmp_path):
+    """Debian's python3.11 (USDT probes) with the venv on PYTHONPATH; the opt-in GC knob is read and applied."""
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / "rank1.json").write_text(json.dumps({"gc_storm": {"cycles_per_step": 2000}}))
+    run = launch(2, ["--duration-s", "1.5", "--sleep-ms", "5"], python=DEBIAN_PYTHON,
+                 site_packages=venv_site_packages(), env={"FLEETSCOPE_WORKLOAD_CONTROL_DIR": str(control)},
+                 log_path=tmp_path / "run.log")
+    try:
+        pids = run.rank_pids()
+        exe = os.readlink(f"/proc/{pids[0]}/exe")
+        t0 = time.monotonic()
+        results = run.wait(60)
+    finally:
+        run.stop()
+    assert exe.startswith("/usr/bin/python3"), exe
+    assert time.monotonic() - t0 < 60
+    assert results[0]["faults_seen"] == [] and results[1]["faults_seen"] == ["gc_storm"]
+    assert all(r["steps"] > 5 for r in results), results
