@@ -1,0 +1,179 @@
+"""Diagnoses in the real ClickHouse engine (chDB): the migration applies, rows
+round-trip, re-emits dedupe, and the CLI handlers read and log through the
+store. Remediation here runs only against a recording executor."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+
+from fleetscope import config as config_mod
+from fleetscope.kb_cli import diagnose_summary, parse_since, register
+from fleetscope.store import ChdbStore
+from streams.diagnosis.kb import load_kb
+from streams.diagnosis.matcher import diagnose
+from streams.diagnosis.records import diagnosis_columns, diagnosis_message
+from test_kb_entries import CASES, anomaly
+from test_remediation import RecordingExecutor
+
+NOW_NS = (time.time_ns() // 1_000_000) * 1_000_000  # ms-aligned: the column is DateTime64(3)
+
+
+@pytest.fixture(scope="module")
+def kb():
+    return load_kb()
+
+
+def _diag(kb, name: str | None, rank: int = 3, window_ns: int = NOW_NS, host: str = "node-a"):
+    a = anomaly(*CASES[name][0][0]) if name else anomaly(peer_z={"gpu_util": 0.3}, contributions={"gpu_util": 0.5})
+    a.rank, a.window_start_ns, a.host = rank, window_ns, host
+    return diagnose(a, kb)
+
+
+def _store(tmp_path) -> ChdbStore:
+    s = ChdbStore(tmp_path / "chdb")
+    s.migrate()
+    return s
+
+
+def test_migration_creates_both_tables(tmp_path):
+    with ChdbStore(tmp_path / "chdb") as s:
+        assert "007_diagnoses" in s.migrate()
+        meta = {r["name"]: r for r in s.query(
+            "SELECT name, sorting_key, engine FROM system.tables WHERE database = {db:String}",
+            {"db": s.database}).as_dicts()}
+        assert meta["diagnoses"]["sorting_key"] == "tenant, job, rank, window_start, kb_entry"
+        assert meta["diagnoses"]["engine"] == "ReplacingMergeTree"
+        assert meta["remediation_log"]["engine"] == "MergeTree"
+        assert s.migrate() == []
+
+
+def test_diagnosis_rows_round_trip(tmp_path, kb):
+    matched, unmatched = _diag(kb, "gpu_power_thermal_throttling"), _diag(kb, None, rank=5)
+    cols = diagnosis_columns([matched, unmatched], emitted_at_ns=NOW_NS + 1_000_000)
+    with _store(tmp_path) as s:
+        assert s.insert("diagnoses", cols, dedupe_token="d-1") == len(matched.matches) + 1
+        rows = s.query("SELECT rank, kb_entry, confidence, fingerprint, fingerprint_unsigned, evidence, rules_held, "
+                       "detectors, score, toUnixTimestamp64Nano(window_start) AS w FROM diagnoses FINAL "
+                       "ORDER BY rank, confidence DESC").as_dicts()
+    best = rows[0]
+    m = matched.matches[0]
+    assert (best["rank"], best["kb_entry"], best["w"]) == (3, "gpu_power_thermal_throttling", NOW_NS)
+    assert best["confidence"] == pytest.approx(m.confidence, abs=1e-6)
+    assert best["fingerprint"] == pytest.approx(matched.attribution.fingerprint.as_dict(), abs=1e-6)
+    assert best["evidence"] == pytest.approx(m.evidence)
+    assert best["rules_held"] == list(m.held) and best["detectors"] == ["gmm", "peer"] and best["score"] == 40.0
+    last = rows[-1]
+    assert (last["rank"], last["kb_entry"], last["confidence"]) == (5, "unmatched", 0.0)
+    assert last["evidence"]["gpu_util"] == 95.0 and "share.gpu_util" in last["evidence"]
+    msg = diagnosis_message(matched)
+    assert msg["matches"][0]["kb_entry"] == "gpu_power_thermal_throttling" and len(msg["fingerprint"]) == 10
+
+
+def test_reemitted_window_keeps_one_row_per_entry(tmp_path, kb):
+    d = _diag(kb, "python_gc_storm")
+    with _store(tmp_path) as s:
+        s.insert("diagnoses", diagnosis_columns([d], NOW_NS), dedupe_token="a")
+        s.insert("diagnoses", diagnosis_columns([d], NOW_NS + 5_000_000), dedupe_token="b")
+        assert s.query("SELECT count() FROM diagnoses FINAL").rows[0][0] == len(d.matches)
+        assert s.query("SELECT toUnixTimestamp64Milli(max(emitted_at)) FROM diagnoses FINAL").rows[0][0] == \
+            NOW_NS // 1_000_000 + 5
+
+
+def test_diagnose_summary_ranks_by_confidence_then_count(tmp_path, kb):
+    ds = [_diag(kb, "python_gc_storm", rank=r, window_ns=NOW_NS + i * 1_000_000_000)
+          for i, r in enumerate((1, 1, 2))]
+    ds += [_diag(kb, "slow_degraded_link", rank=4), _diag(kb, None, rank=6), _diag(kb, None, rank=7)]
+    with _store(tmp_path) as s:
+        s.insert("diagnoses", diagnosis_columns(ds, NOW_NS), dedupe_token="x")
+        s.insert("diagnoses", diagnosis_columns([_diag(kb, "python_gc_storm")], NOW_NS), dedupe_token="y")
+        rows = diagnose_summary(s, "train-1", parse_since("1h"))
+        other_tenant = diagnose_summary(s, "train-1", parse_since("1h"), tenant="beta")
+        too_late = diagnose_summary(s, "train-1", NOW_NS // 1_000_000 + 3_600_000)
+    assert [r["kb_entry"] for r in rows] == ["python_gc_storm", "slow_degraded_link", "unmatched"]
+    gc = rows[0]
+    assert (gc["windows"], gc["ranks"], gc["rank_list"]) == (4, 3, [1, 2, 3])
+    assert gc["best_evidence"]["python_gc_frac"] == 0.3
+    assert rows[2]["windows"] == 2 and other_tenant == [] and too_late == []
+
+
+# ---- the CLI handlers, through their own store -------------------------------------
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers(dest="command", required=True))
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture
+def cfg(tmp_path, kb):
+    cfg = config_mod.load(env={}, data_dir=tmp_path, host="node-a")
+    ds = [_diag(kb, "cpu_contention_noisy_neighbour", rank=3), _diag(kb, "cpu_contention_noisy_neighbour", rank=4),
+          _diag(kb, None, rank=6)]
+    with ChdbStore(tmp_path / "chdb") as s:  # where open_store finds it for this data_dir
+        s.migrate()
+        s.insert("diagnoses", diagnosis_columns(ds, NOW_NS), dedupe_token="seed")
+    return cfg
+
+
+def _log(cfg):
+    with ChdbStore(cfg.data_dir / "chdb") as s:
+        return s.query("SELECT rank, kb_entry, mode, status, command, evidence_before, evidence_after "
+                       "FROM remediation_log ORDER BY ts, rank").as_dicts()
+
+
+def test_cli_diagnose_prints_ranked_evidence(cfg, capsys):
+    from fleetscope.kb_cli import cmd_diagnose
+    assert cmd_diagnose(_args("diagnose", "--job", "train-1", "--format", "json"), cfg) == 0
+    out = capsys.readouterr().out
+    assert out.index("cpu_contention_noisy_neighbour") < out.index("unmatched")
+    assert cmd_diagnose(_args("diagnose", "--job", "train-1", "--tenant", "acme"), cfg) == 0
+    table = capsys.readouterr().out
+    assert "cpu_contention_noisy" in table and "cpu_steal_frac=0.15" in table
+    assert cmd_diagnose(_args("diagnose", "--job", "other-job"), cfg) == 0
+    assert "no diagnoses for job other-job" in capsys.readouterr().out
+
+
+def test_cli_remediate_dry_run_by_default_and_logged(cfg, capsys):
+    from fleetscope.kb_cli import cmd_remediate
+    ex = RecordingExecutor()
+    assert cmd_remediate(_args("remediate", "--job", "train-1"), cfg, executor=ex) == 0
+    out = capsys.readouterr().out
+    assert "[dry_run] cpu_contention_noisy_neighbour on node-a" in out and "would run: kubectl cordon node-a" in out
+    assert ex.calls == []
+    log = _log(cfg)
+    assert [(r["rank"], r["mode"], r["status"]) for r in log] == [(3, "dry_run", "planned"), (4, "dry_run", "planned")]
+    assert log[0]["evidence_before"]["cpu_steal_frac"] == "0.15"
+
+
+def test_cli_remediate_execute_needs_both_opt_ins(cfg, capsys):
+    from fleetscope.kb_cli import cmd_remediate
+    ex = RecordingExecutor()
+    cmd_remediate(_args("remediate", "--job", "train-1", "--execute", "--rank", "3",
+                        "--allow-entry", "cpu_contention_noisy_neighbour"), cfg, executor=ex)
+    assert ex.calls == [] and "host node-a is not opted in" in capsys.readouterr().out
+    assert cmd_remediate(_args("remediate", "--job", "train-1", "--execute", "--rank", "3",
+                               "--allow-entry", "cpu_contention_noisy_neighbour", "--allow-host", "node-a",
+                               "--operator", "alice"), cfg, executor=ex) == 0
+    assert ("run", ("kubectl", "cordon", "node-a")) in ex.calls
+    log = _log(cfg)
+    assert [(r["mode"], r["status"]) for r in log] == [("refused", "refused"), ("execute", "ok")]
+    assert log[1]["evidence_after"]["exit_code"] == "0" and "check" in log[1]["evidence_before"]
+
+
+def test_cli_kb_list_and_show(capsys, kb):
+    from fleetscope.kb_cli import cmd_kb_list, cmd_kb_show
+    assert cmd_kb_list(_args("kb", "list"), None) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == len(kb)
+    assert cmd_kb_show(_args("kb", "show", "irq_locality_miss"), None) == 0
+    out = capsys.readouterr().out
+    assert "write '{cpus}' to /proc/irq/{irq}/smp_affinity_list" in out and "parameters: cpus, irq" in out
+    assert cmd_kb_show(_args("kb", "show", "nope"), None) == 1
+
+
+def test_parse_since():
+    assert parse_since("30m", now_s=10_000) == (10_000 - 1800) * 1000
+    assert parse_since("2024-01-02T03:04:05") == 1704164645000
+    with pytest.raises(SystemExit, match="--since"):
+        parse_since("yesterday")
