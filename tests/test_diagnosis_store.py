@@ -177,3 +177,19 @@ def test_parse_since():
     assert parse_since("2024-01-02T03:04:05") == 1704164645000
     with pytest.raises(SystemExit, match="--since"):
         parse_since("yesterday")
+
+
+def test_diagnoser_batch_goes_to_the_store(tmp_path, kb):
+    from streams.diagnosis.pipeline import Diagnoser
+    good = anomaly(*CASES["xid_hardware_error"][0][0])
+    good.window_start_ns = NOW_NS
+    as_dict = dict(good.__dict__, rank=9)
+    d = Diagnoser(kb)
+    out = d.handle([good, as_dict, {"tenant": "t"}, dict(as_dict, bogus=1)], emitted_at_ns=NOW_NS)
+    assert len(out.diagnoses) == 2 and out.unmatched == 0 and len(out.rejected) == 2
+    assert "lacks fields" in out.rejected[0] and "unknown fields ['bogus']" in out.rejected[1]
+    assert d.counts == {"anomalies": 4, "matched": 2, "unmatched": 0, "rejected": 2}
+    with _store(tmp_path) as s:
+        s.insert("diagnoses", out.columns, dedupe_token="batch-1")
+        assert s.query("SELECT groupArray(rank) FROM (SELECT rank FROM diagnoses WHERE kb_entry = "
+                       "'xid_hardware_error' ORDER BY rank)").rows[0][0] == [3, 9]
