@@ -1,0 +1,200 @@
+"""Fault injectors on real processes: cgroup CPU quota, pinned load, UDP flood, memory cgroup, knobs, relay."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.eval.cgroups import PARENT, cgroup_of, controller_root
+from benchmarks.eval.faults import FaultError, make_fault, threads_of
+from benchmarks.eval.relay import DelayRelay
+
+BUSY = "import time\nwhile True:\n    pass\n"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="fault injection moves processes between cgroups: needs root")
+
+
+@pytest.fixture()
+def busy():
+    p = subprocess.Popen([sys.executable, "-c", BUSY])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_share(pid: int, seconds: float) -> float:
+    c0, t0 = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+
+
+def fault_dirs(controller: str, pid: int) -> list[Path]:
+    root, version = controller_root(controller)
+    parent = root / cgroup_of(pid, controller, version).lstrip("/") / PARENT
+    return [p for p in parent.iterdir() if p.is_dir()] if parent.exists() else []
+
+
+def test_cpu_quota_really_slows_a_busy_process_and_cleans_up(busy):
+    version = controller_root("cpu")[1]
+    origin = cgroup_of(busy.pid, "cpu", version)
+    time.sleep(0.3)
+    fault = make_fault("cpu_quota", pid=busy.pid, strength=0.8)  # 20 ms of CPU per 100 ms
+    with fault:
+        assert cgroup_of(busy.pid, "cpu", version) != origin
+        throttled = cpu_share(busy.pid, 1.5)
+    free = cpu_share(busy.pid, 1.0)
+    assert throttled < 0.3, f"quota 0.2 CPU, measured {throttled:.2f}"
+    assert free > throttled + 0.2, f"after stop the process should run freely: {free:.2f} vs {throttled:.2f}"
+    assert cgroup_of(busy.pid, "cpu", version) == origin
+    assert fault_dirs("cpu", busy.pid) == []
+
+
+def test_cpu_quota_cleans_up_when_the_process_died_meanwhile():
+    p = subprocess.Popen([sys.executable, "-c", BUSY])
+    fault = make_fault("cpu_quota", pid=p.pid, strength=0.5)
+    fault.start()
+    p.kill()
+    p.wait()
+    fault.stop()
+    fault.stop()  # idempotent
+    assert fault_dirs("cpu", os.getpid()) == []
+
+
+def test_competing_load_pins_rank_and_hog_then_restores_affinity(busy):
+    before = {t: os.sched_getaffinity(t) for t in threads_of(busy.pid)}
+    fault = make_fault("competing_load", pid=busy.pid, strength=1.0, params={"cpu": 0})
+    with fault:
+        (hog,) = fault._procs.procs
+        assert os.sched_getaffinity(busy.pid) == {0} and os.sched_getaffinity(hog.pid) == {0}
+        share = cpu_share(busy.pid, 1.5)
+    assert hog.poll() is not None, "the hog must be gone after stop"
+    assert {t: os.sched_getaffinity(t) for t in threads_of(busy.pid)} == before
+    assert share < 0.75, f"sharing one CPU with a full hog, the busy loop got {share:.2f} of it"
+
+
+def test_softirq_storm_floods_loopback_udp_on_the_rank_cpu_and_stops(busy):
+    def udp_in() -> int:
+        for line in Path("/proc/net/snmp").read_text().splitlines():
+            if line.startswith("Udp:") and line.split()[1].isdigit():
+                return int(line.split()[1])
+        raise AssertionError("no Udp counters")
+    def net_rx_cpu0() -> int:
+        for line in Path("/proc/softirqs").read_text().splitlines():
+            if line.split()[0] == "NET_RX:":
+                return int(line.split()[1])
+        raise AssertionError("no NET_RX line in /proc/softirqs")
+    u0, rx0 = udp_in(), net_rx_cpu0()
+    fault = make_fault("softirq_storm", pid=busy.pid, strength=0.5, params={"cpu": 0})
+    with fault:
+        time.sleep(1.0)
+        pids = [p.pid for p in fault._procs.procs]
+        assert all(os.sched_getaffinity(p) == {0} for p in pids)
+    received, softirqs = udp_in() - u0, net_rx_cpu0() - rx0
+    # Python floods ~100k datagrams/s on a free core; the shared CI machine gives far less.
+    assert received > 2_000, f"only {received} UDP datagrams delivered in a second"
+    assert softirqs > 100, f"NET_RX softirqs on CPU 0 rose by only {softirqs}"
+    assert all(not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2]
+               for p in pids)
+
+
+def test_memory_pressure_limits_the_group_and_cleans_up(busy):
+    fault = make_fault("memory_pressure", pid=busy.pid, strength=0.5, params={"hog_mb": 64})
+    with fault:
+        cg = fault.cgroup
+        hog = fault._procs.procs[0]
+        time.sleep(1.0)
+        assert busy.pid in cg.pids() and hog.pid in cg.pids()
+        usage = int(cg.read("memory.current" if cg.version == 2 else "memory.usage_in_bytes"))
+        assert usage <= fault.limit_bytes + (4 << 20), (usage, fault.limit_bytes)
+        if cg.version == 1:
+            assert int(cg.read("memory.failcnt")) > 0, "the hog never reached the limit"
+        else:
+            assert "high 0" not in cg.read("memory.events"), "the hog never reached memory.high"
+    assert busy.poll() is None, "memory pressure must not kill the rank"
+    assert hog.poll() is not None
+    assert fault_dirs("memory", busy.pid) == []
+
+
+def test_workload_knob_writes_and_removes_its_entry(tmp_path):
+    gc = make_fault("gc_storm", rank=1, strength=0.5, control_dir=tmp_path)
+    stall = make_fault("dataloader_stall", rank=1, strength=1.0, control_dir=tmp_path, params={"ms_per_batch": 30})
+    with gc:
+        with stall:
+            assert json.loads((tmp_path / "rank1.json").read_text()) == {
+                "gc_storm": {"cycles_per_step": 25000}, "dataloader_stall": {"ms_per_batch": 30}}
+        assert json.loads((tmp_path / "rank1.json").read_text()) == {"gc_storm": {"cycles_per_step": 25000}}
+    assert not (tmp_path / "rank1.json").exists()
+    with pytest.raises(FaultError, match="control dir"):
+        make_fault("gc_storm", rank=0, control_dir=tmp_path / "missing").start()
+    with pytest.raises(FaultError, match="unknown fault kind 'nope'"):
+        make_fault("nope", pid=1)
+    with pytest.raises(FaultError, match="strength"):
+        make_fault("cpu_quota", pid=1, strength=1.5)
+
+
+@pytest.fixture()
+def echo_server():
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                while data := c.recv(65536):
+                    c.sendall(data)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()
+    srv.close()
+
+
+def round_trip(addr, payload: bytes) -> tuple[bytes, float]:
+    with socket.create_connection(addr) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.monotonic()
+        s.sendall(payload)
+        got = b""
+        while len(got) < len(payload):
+            chunk = s.recv(65536)
+            assert chunk, "connection closed early"
+            got += chunk
+        return got, time.monotonic() - t0
+
+
+def test_relay_adds_latency_delivers_every_byte_and_toggles(echo_server):
+    payload = os.urandom(3 << 20)
+    with DelayRelay(echo_server) as relay:
+        got, base = round_trip(relay.address, b"x")
+        assert got == b"x"
+        fault = make_fault("link_delay", relay=relay, strength=1.0, params={"delay_ms": 50})
+        with fault:
+            got, delayed = round_trip(relay.address, b"y")
+            assert got == b"y"
+            got, _ = round_trip(relay.address, payload)
+            assert got == payload  # all bytes, in order, through the delay queue
+        got, after = round_trip(relay.address, b"z")
+        assert relay.errors == []
+    assert 0.095 <= delayed < 0.5, f"two relay hops of 50 ms each way, measured {delayed * 1000:.0f} ms"
+    assert base < 0.05 and after < 0.05, (base, after)
+    assert relay.bytes_up == relay.bytes_down == 3 + len(payload)
+
+
+def test_relay_bandwidth_cap_paces_bytes(echo_server):
+    with DelayRelay(echo_server, bandwidth_bps=40e6) as relay:  # 5 MB/s each way
+        _, took = round_trip(relay.address, os.urandom(1 << 20))
+    assert took > 0.18, f"1 MiB at 5 MB/s should take about 0.2 s, took {took:.3f}"
