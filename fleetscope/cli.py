@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a query parameter")
     q.add_argument("--format", choices=("table", "json", "tsv"), default="table")
     q.set_defaults(func=cmd_query)
+    from fleetscope.kb_cli import register as register_diagnosis
+    register_diagnosis(sub)
     return p
 
 

@@ -51,6 +51,21 @@ class Config:
     default_tenant: str = "default"
     job_env: tuple[str, ...] = ("FLEETSCOPE_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                                 "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
+    # eBPF tracing. `trace` names the probe families to load (empty: no tracing).
+    # Targets: explicit pids, a regex over process name/command line, and, with
+    # trace_auto, every process that maps libcudart, libcuda, libnccl or libtorch.
+    trace: tuple[str, ...] = ("kernel", "cuda", "nccl", "python", "torch")
+    trace_auto: bool = True
+    trace_pids: tuple[str, ...] = ()
+    trace_name: str | None = None
+    trace_poll_s: float = 1.0  # how often /proc is scanned for new and ended targets
+    # Overhead governor: expensive probe families (kernel launches, Python
+    # functions, torch ops) are duty-cycled so that probe hits cost at most
+    # trace_budget of the traced processes' CPU time.
+    trace_budget: float = 0.01
+    trace_duty_period_s: float = 2.0
+    trace_hit_cost_ns: float | None = None  # None: measured at start (calibration)
+    trace_python_prefixes: tuple[str, ...] = ()  # module/file prefixes to trace; empty: all
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}.{name}"
@@ -67,8 +82,21 @@ class Config:
             raise ConfigError("partitions must be >= 1")
         if not self.topic_prefix or any(c in self.topic_prefix for c in "/ \\"):
             raise ConfigError(f"topic_prefix {self.topic_prefix!r} must be non-empty without '/', spaces")
+        unknown = set(self.trace) - set(TRACE_FAMILIES)
+        if unknown:
+            raise ConfigError(f"trace={list(self.trace)}: unknown {sorted(unknown)}; known: {list(TRACE_FAMILIES)}")
+        if not 0 < self.trace_budget <= 0.5:
+            raise ConfigError(f"trace_budget={self.trace_budget}: must lie in (0, 0.5] (a fraction of CPU time)")
+        if self.trace_duty_period_s < 0.2 or self.trace_poll_s <= 0:
+            raise ConfigError("trace_duty_period_s must be >= 0.2 s and trace_poll_s > 0")
+        try:
+            [int(p) for p in self.trace_pids]
+        except ValueError:
+            raise ConfigError(f"trace_pids={list(self.trace_pids)}: must be process ids") from None
         return self
 
+
+TRACE_FAMILIES = ("kernel", "cuda", "nccl", "python", "torch")
 
 _ENV = {  # env var -> field
     "FLEETSCOPE_KAFKA": "kafka", "FLEETSCOPE_TOPIC_PREFIX": "topic_prefix",
@@ -80,6 +108,10 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_CONSUMER_GROUP": "consumer_group", "FLEETSCOPE_NVML": "nvml",
     "FLEETSCOPE_NVML_LIBRARY": "nvml_library", "FLEETSCOPE_TENANT_ENV": "tenant_env",
     "FLEETSCOPE_DEFAULT_TENANT": "default_tenant", "FLEETSCOPE_JOB_ENV": "job_env",
+    "FLEETSCOPE_TRACE": "trace", "FLEETSCOPE_TRACE_AUTO": "trace_auto", "FLEETSCOPE_TRACE_PIDS": "trace_pids",
+    "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
+    "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",
+    "FLEETSCOPE_TRACE_HIT_COST_NS": "trace_hit_cost_ns", "FLEETSCOPE_TRACE_PYTHON_PREFIXES": "trace_python_prefixes",
 }
 
 

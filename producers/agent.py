@@ -35,11 +35,14 @@ class Agent:
     def __init__(self, cfg: Config, publisher: Publisher, samplers: list):
         self.cfg = cfg
         self.publisher = publisher
-        self.samplers = samplers  # objects with .sample(now_ns) -> Batch | None
+        self.samplers = samplers  # objects with .sample(now_ns) -> Batch | list[Batch] | None
+        self.stat_sources: list = []  # objects with .stats() -> dict, merged into the agent's health events
         self.closers: list = []  # called when the run ends (watcher threads, NVML handles)
         self.ticks = 0
         self.events_sampled = 0
         self._stop = threading.Event()
+        self.parts_lock = threading.Lock()  # parts that join late (tracers) vs. the run ending
+        self.stopped = False
 
     def tick(self) -> None:
         now_ns = time.time_ns()
@@ -49,11 +52,16 @@ class Agent:
             except Exception:  # a broken sampler must not stop the others
                 log.exception("sampler %s failed", type(sampler).__name__)
                 continue
-            if batch is not None:
-                self.events_sampled += batch.count
-                self.publisher.publish(batch)
+            for one in (batch if isinstance(batch, list) else [batch] if batch is not None else []):
+                self.events_sampled += one.count
+                self.publisher.publish(one)
         self.publisher.retry_spool()
         stats = {**asdict(self.publisher.stats), "events_sampled": self.events_sampled}
+        for source in self.stat_sources:
+            try:
+                stats.update(source.stats())
+            except Exception:  # health reporting must not stop sampling
+                log.exception("stats of %s failed", type(source).__name__)
         self.publisher.publish(agent_stats_batch(self.cfg.host, stats, now_ns))
         self.ticks += 1
 
@@ -77,6 +85,8 @@ class Agent:
         self._stop.set()
 
     def _close_parts(self) -> None:
+        with self.parts_lock:
+            self.stopped = True
         for close in self.closers:
             try:
                 close()
@@ -106,4 +116,47 @@ def build_agent(cfg: Config, bootstrap: str) -> Agent:
         watcher = XidWatcher(cfg.host, publisher.publish, library_path=cfg.nvml_library)
         watcher.start()
         agent.closers.append(watcher.stop)
+    if cfg.trace:
+        start_tracing(cfg, agent)
     return agent
+
+
+def start_tracing(cfg: Config, agent: Agent) -> None:
+    """Attach the eBPF tracers if this host can run them; without them the agent still samples.
+
+    Compiling the BPF programs and calibrating the probe cost take seconds, so
+    this happens on a thread: host and GPU sampling start at once, and the
+    tracers join the agent's samplers when they are ready.
+    """
+    import os
+    if os.geteuid() != 0:
+        log.warning("eBPF tracing is off: the agent is not root (it needs CAP_BPF and CAP_PERFMON); "
+                    "host and GPU sampling continue")
+        return
+    threading.Thread(target=_start_tracing, args=(cfg, agent), name="tracer-start", daemon=True).start()
+
+
+def _start_tracing(cfg: Config, agent: Agent) -> None:
+    import os
+    try:  # Linux nices threads one by one: the BPF compile must not slow the pipeline's start
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:
+        pass
+    from producers.identity import IdentityResolver
+    from producers.tracers.manager import TracerManager
+    try:
+        manager = TracerManager(cfg, resolver=IdentityResolver(identity_rules(cfg), host=cfg.host))
+    except Exception:  # tracing is an add-on: the agent keeps sampling without it
+        log.exception("eBPF tracing is off: the tracer manager failed to start")
+        return
+    if not manager.tracers:
+        log.warning("eBPF tracing is off: no tracer could start (%s)", "; ".join(manager.unavailable.values()))
+        return
+    with agent.parts_lock:
+        if agent.stopped:
+            manager.close()
+            return
+        manager.start()
+        agent.samplers.append(manager)
+        agent.stat_sources.append(manager)
+        agent.closers.append(manager.close)

@@ -1,0 +1,221 @@
+"""Runs the configured tracers for the agent: finds targets, attaches, duty-cycles, samples.
+
+- Targets come from a ProcessWatcher (pids, a name pattern, or every process
+  mapping a GPU/ML library), polled every `trace_poll_s`. A process that does
+  not map a tracer's library yet (it will dlopen it later) is retried on
+  every poll until it does or exits.
+- A tracer this host cannot run (no root, no bcc, no USDT, a module not
+  present) is reported once with its reason and skipped; the others run.
+- A background thread runs the overhead governor's duty cycles: every
+  `trace_duty_period_s` it takes new duties, attaches each expensive family
+  at the period's start and detaches it after duty × period.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+
+from producers.tracers.discovery import ProcessWatcher, TargetSpec
+from producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, process_cpu_seconds
+from producers.tracers.kernel import TracerUnavailable
+
+log = logging.getLogger(__name__)
+
+TRACER_CLASSES = {
+    "kernel": ("producers.tracers.kernel", "KernelTracer"),
+    "cuda": ("producers.tracers.cuda", "CudaTracer"),
+    "nccl": ("producers.tracers.nccl", "NcclTracer"),
+    "python": ("producers.tracers.python_vm", "PythonTracer"),
+    "torch": ("producers.tracers.torch_ops", "TorchTracer"),
+}
+
+
+def load_tracer(name: str, host: str, resolver, options: dict):
+    module_name, class_name = TRACER_CLASSES[name]
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except ImportError as e:
+        raise TracerUnavailable(f"the {name} tracer is not available in this build ({e})") from e
+    kwargs = {k: v for k, v in options.items() if k in getattr(cls, "OPTIONS", ())}
+    return cls(host, resolver=resolver, **kwargs)
+
+
+class TracerManager:
+    def __init__(self, cfg, resolver=None, tracers: dict | None = None, hit_cost_ns: float | None = None):
+        self.cfg = cfg
+        self.lock = threading.RLock()  # one tracer call at a time: bcc objects are not thread-safe
+        self.unavailable: dict[str, str] = {}
+        self.tracers: dict = {}
+        if tracers is not None:  # injected (tests, embedding)
+            self.tracers = dict(tracers)
+        else:
+            options = {"python_prefixes": tuple(cfg.trace_python_prefixes)}
+            for name in cfg.trace:
+                try:
+                    self.tracers[name] = load_tracer(name, cfg.host, resolver, options)
+                except TracerUnavailable as e:
+                    self.unavailable[name] = str(e)
+                    log.warning("tracer %s not started: %s", name, e)
+        if hit_cost_ns is None:
+            hit_cost_ns = cfg.trace_hit_cost_ns or self._calibrate()
+        self.hit_cost_ns = hit_cost_ns
+        self.governor = OverheadGovernor(cfg.trace_budget, hit_cost_ns)
+        self.enabled: dict[tuple[str, str], bool] = {}
+        for name, tracer in self.tracers.items():
+            for family, kind in _families(tracer).items():
+                duty = self.governor.register(name, family, kind)
+                self.enabled[(name, family)] = True
+                if kind == EXPENSIVE and duty < 1:
+                    self._set(name, family, False)
+        spec = TargetSpec(pids=tuple(int(p) for p in cfg.trace_pids), name_pattern=cfg.trace_name,
+                          auto=cfg.trace_auto)
+        self.watcher = ProcessWatcher(spec)
+        self.attached: dict[str, set[int]] = {name: set() for name in self.tracers}
+        self.waiting: dict[str, set[int]] = {name: set() for name in self.tracers}  # not mapping the library yet
+        self.last_decision = None
+        self.errors = 0
+        self._cpu_prev: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_poll = time.monotonic()
+
+    def _calibrate(self) -> float:
+        if not any(EXPENSIVE in _families(t).values() for t in self.tracers.values()):
+            return 6000.0  # nothing to duty-cycle: the value is never used
+        from producers.tracers.calibrate import calibrate_hit_cost_ns
+        try:
+            return calibrate_hit_cost_ns()
+        except Exception as e:  # calibration is best effort; the documented VM figure stands in
+            log.warning("probe cost calibration failed (%s); assuming 6 µs per hit", e)
+            return 6000.0
+
+    # ---- targets --------------------------------------------------------------
+    def poll_targets(self) -> None:
+        found, ended = self.watcher.poll()
+        for pid in ended:
+            for name, tracer in self.tracers.items():
+                self.waiting[name].discard(pid)
+                if pid in self.attached[name]:
+                    self.attached[name].discard(pid)
+                    self._call(tracer.remove_pid, pid)
+        for name, tracer in self.tracers.items():
+            for pid in sorted(found | self.waiting[name]):
+                if pid in self.attached[name]:
+                    continue
+                ok = self._call(tracer.add_pid, pid)  # None: it raised (logged); not retried
+                if ok is False:
+                    self.waiting[name].add(pid)
+                elif ok:
+                    self.waiting[name].discard(pid)
+                    self.attached[name].add(pid)
+                    log.info("tracing pid %d with the %s tracer", pid, name)
+
+    def _call(self, fn, *args):
+        with self.lock:
+            try:
+                result = fn(*args)
+                return True if result is None else result
+            except Exception:  # one process or tracer failing must not stop the rest
+                self.errors += 1
+                log.exception("%s%s failed", getattr(fn, "__qualname__", fn), args)
+                return None
+
+    # ---- duty cycling -------------------------------------------------------------
+    def _set(self, name: str, family: str, on: bool) -> None:
+        if self.enabled.get((name, family)) == on:
+            return
+        self._call(self.tracers[name].set_family_enabled, family, on)
+        self.enabled[(name, family)] = on
+
+    def _targets_cpu_s(self) -> float:
+        pids = set().union(*self.attached.values()) if self.attached else set()
+        now = {pid: process_cpu_seconds([pid]) for pid in pids}
+        used = sum(max(v - self._cpu_prev.get(pid, v), 0.0) for pid, v in now.items())
+        self._cpu_prev = now
+        return used
+
+    def run_period(self, period_s: float) -> None:
+        """One duty-cycle period: decide, attach, detach on time, account on-time."""
+        hits = {}
+        with self.lock:
+            for name, tracer in self.tracers.items():
+                if hasattr(tracer, "hits"):
+                    for family, n in tracer.hits().items():
+                        hits[(name, family)] = n
+        self.last_decision = decision = self.governor.update(hits, self._targets_cpu_s(), period_s)
+        start = time.monotonic()
+        attached_at = {}
+        for key, duty in decision.duties.items():
+            if duty > 0:  # 0: its budget bucket is empty, it sits this period out
+                self._set(*key, True)
+                attached_at[key] = time.monotonic()
+        for key, duty in sorted(decision.duties.items(), key=lambda kv: kv[1]):
+            if key not in attached_at:
+                self._set(*key, False)
+            elif duty < 1.0:
+                self._wait_until(attached_at[key] + duty * period_s)
+                self._set(*key, False)
+                self.governor.record_on_time(key, time.monotonic() - attached_at[key])
+            else:
+                self.governor.record_on_time(key, period_s)
+        self._wait_until(start + period_s)
+
+    def _wait_until(self, t: float) -> None:
+        while not self._stop.is_set():
+            left = t - time.monotonic()
+            if left <= 0:
+                return
+            self._stop.wait(min(left, self.cfg.trace_poll_s))
+            if time.monotonic() - self._last_poll >= self.cfg.trace_poll_s:
+                self._last_poll = time.monotonic()
+                self.poll_targets()
+
+    def start(self) -> "TracerManager":
+        self._last_poll = time.monotonic()
+        self.poll_targets()
+        self._thread = threading.Thread(target=self._loop, name="tracer-governor", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_period(self.cfg.trace_duty_period_s)
+            except Exception:  # the governor must keep running; a failure leaves families as they are
+                self.errors += 1
+                log.exception("duty-cycle period failed")
+                self._stop.wait(self.cfg.trace_duty_period_s)
+
+    # ---- the agent's view ------------------------------------------------------------
+    def sample(self, now_ns: int) -> list:
+        batches = []
+        for name, tracer in self.tracers.items():
+            batch = self._call(tracer.sample, now_ns)
+            if batch not in (None, True, False):
+                batches.append(batch)
+        return batches
+
+    def stats(self) -> dict:
+        out = {"trace_targets": len(set().union(*self.attached.values())) if self.attached else 0,
+               "trace_tracers_running": len(self.tracers), "trace_tracers_unavailable": len(self.unavailable),
+               "trace_errors": self.errors, "trace_hit_cost_ns": self.hit_cost_ns}
+        if self.last_decision is not None:
+            d = self.last_decision
+            out["trace_budget_used_frac"] = d.spent_s / d.budget_s if d.budget_s > 0 else 0.0
+            for (name, family), duty in d.duties.items():
+                out[f"trace_duty.{name}.{family}"] = duty
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for name, tracer in self.tracers.items():
+            self._call(tracer.close)
+
+
+def _families(tracer) -> dict[str, str]:
+    fams = tracer.families() if hasattr(tracer, "families") else {}
+    return {f: (k if k in (EXPENSIVE, ALWAYS) else ALWAYS) for f, k in fams.items()}
