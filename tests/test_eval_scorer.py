@@ -118,3 +118,47 @@ def test_plot_writes_a_png(tmp_path):
 def test_plot_without_matplotlib_says_what_to_install(tmp_path):
     with pytest.raises(PlotUnavailable, match="needs matplotlib"):
         plot_scores(FAULT, [], tmp_path / "run.png")
+
+
+# Scenario files: the ground truth the scorer gets.
+SCENARIOS = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "scenarios"
+
+
+def test_shipped_scenarios_load_and_their_faults_can_be_built(tmp_path):
+    from benchmarks.eval.faults import make_fault
+    from benchmarks.eval.relay import DelayRelay
+    from benchmarks.eval.scenario import load_scenarios
+    scenarios = {s.name: s for s in load_scenarios([SCENARIOS])}
+    assert {"healthy", "straggler_cpu_quota", "straggler_competing_load", "slow_collective_one_rank",
+            "memcpy_stall", "gpu_memory_leak", "python_gc_storm", "dataloader_stall", "network_degradation",
+            "memory_pressure", "irq_storm"} <= set(scenarios)
+    for s in scenarios.values():
+        f = s.fault
+        fault = make_fault(f.kind, pid=1, rank=f.rank, strength=f.strength, params=f.params, control_dir=tmp_path,
+                           relay=DelayRelay(("127.0.0.1", 1)))  # built, not started
+        assert fault.kind == f.kind, s.name
+    t = scenarios["straggler_cpu_quota"].truth()
+    assert (t.fault_start_s, t.fault_end_s, t.faulty_ranks, t.kb_entry, t.n_windows) == (30, 60, {1}, "straggler_rank", 45)
+    assert scenarios["healthy"].truth().healthy
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("fault", "rank", 5), "fault.rank: 5 is not a rank of this 2-rank job"),
+    (("fault", "kind", "netem"), "fault.kind: 'netem' is not one of"),
+    (("fault", "duration_s", 80), "fault.duration_s: 80 is not positive and ending by the run's duration_s"),
+    (("expect", "kb_entry", "gremlins"), "expect.kb_entry: 'gremlins' is not null or a KB entry"),
+    (("fault", "strength", "high"), "fault.strength: must be in (0, 1], got 'high'"),
+    ((None, "window", 2), "window: unknown field"),
+    ((None, "ranks", None), "ranks: must be"),
+])
+def test_scenario_errors_name_the_file_and_field(tmp_path, edit, message):
+    import yaml
+    from benchmarks.eval.scenario import ScenarioError, load_scenario
+    data = yaml.safe_load((SCENARIOS / "straggler_cpu_quota.yaml").read_text())
+    section, key, value = edit
+    (data[section] if section else data)[key] = value
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(bad)
+    assert str(e.value).startswith(f"{bad}: ") and message in str(e.value), str(e.value)
