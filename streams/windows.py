@@ -148,6 +148,8 @@ class WindowAssembler:
         cols = batch.columns
         ts, value, interval = cols["ts_ns"], cols["value"], cols["interval_ns"]
         tenant, job, rank = cols["tenant"], cols["job"], cols["rank"]
+        if "sample_frac" in cols:
+            value = scale_sampled(value, interval, cols["sample_frac"])
         metric, device = cols["metric"], cols["device"]
         codes = series_code(self.names.id(batch.source), self.names.ids_of(metric.values)[metric.codes],
                             self.names.ids_of(device.values)[device.codes])
@@ -192,6 +194,23 @@ class WindowAssembler:
             state.closed_upto = max(state.closed_upto, window.start_ns)
         self.stats.windows_closed += len(closed)
         return closed
+
+
+def scale_sampled(value: np.ndarray, interval: np.ndarray, frac: np.ndarray) -> np.ndarray:
+    """Deltas from a probe attached `frac` of their interval, scaled to the whole interval.
+
+    Gauges (latency percentiles, live bytes) describe what was seen and stay
+    as they are. A delta from a family attached for none of its interval
+    carries no information; it is zeroed (the tracer sends none of those).
+    """
+    frac = np.asarray(frac, dtype=np.float64)
+    scale = (interval > 0) & (frac < 1.0)
+    if not scale.any():
+        return value
+    out = np.array(value, dtype=np.float64)
+    f = frac[scale]
+    out[scale] = np.where(f > 0, out[scale] / np.where(f > 0, f, 1.0), 0.0)
+    return out
 
 
 def _groups(t_codes: np.ndarray, j_codes: np.ndarray, rank: np.ndarray, win: np.ndarray):

@@ -1,0 +1,153 @@
+"""Features from the uprobe/USDT tracers: CUDA, NCCL, Python and PyTorch.
+
+Delta rows from duty-cycled probe families arrive already scaled by
+1/sample_frac (see WindowAssembler.add), so rates do not jump when the
+governor changes a duty cycle. Time shares ("fraction of the window spent in
+sync calls") divide summed call time by the window's length; with several
+threads or processes per rank they can exceed 1 (threads, on average).
+Latency percentiles are the worst interval's percentile inside the window:
+a gauge per tick, so the window keeps its maximum p99 and its mean p50.
+"""
+from __future__ import annotations
+
+from streams.windows import MetricAgg, Window
+
+SYNC_APIS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize")
+MEMCPY_APIS = ("cudaMemcpy", "cudaMemcpyAsync")
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch", "cuLaunchKernel", "cuLaunchKernelEx")
+COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "Send", "Recv")
+# torch op classes by name fragment (first match wins)
+TORCH_CLASSES = (("matmul", ("mm", "matmul", "linear", "addmm", "bmm", "conv", "einsum", "baddbmm")),
+                 ("elementwise", ("relu", "add", "mul", "sub", "div", "gelu", "sigmoid", "tanh", "silu", "softmax",
+                                  "dropout", "exp", "sqrt", "neg", "pow", "where", "clamp")))
+
+
+def _window_s(w: Window) -> float:
+    return (w.end_ns - w.start_ns) / 1e9
+
+
+def _deltas(w: Window, source: str, metric: str, devices=None) -> list[tuple[str, MetricAgg]]:
+    return [(d, a) for d, a in w.devices(source, metric)
+            if a.interval_ns > 0 and (devices is None or d in devices)]
+
+
+def _sum(w: Window, source: str, metric: str, devices=None) -> float | None:
+    aggs = _deltas(w, source, metric, devices)
+    return sum(a.delta_sum for _, a in aggs) if aggs else None
+
+
+def _gauges(w: Window, source: str, metric: str, devices=None) -> list[MetricAgg]:
+    return [a for d, a in w.devices(source, metric) if a.gauge_n and (devices is None or d in devices)]
+
+
+def _put(out: dict, name: str, value: float | None) -> None:
+    if value is not None:
+        out[name] = float(value)
+
+
+def cuda_features(w: Window) -> dict[str, float]:
+    if "cuda" not in w.sources:
+        return {}
+    out: dict[str, float] = {}
+    span = _window_s(w)
+    launches = _sum(w, "cuda", "cuda.calls", LAUNCH_APIS)
+    _put(out, "cuda_launch_per_s", None if launches is None else launches / span)
+    sync_ns = _sum(w, "cuda", "cuda.dur_ns", SYNC_APIS)
+    _put(out, "cuda_sync_frac", None if sync_ns is None else sync_ns / 1e9 / span)
+    copy_ns = _sum(w, "cuda", "cuda.dur_ns", MEMCPY_APIS)
+    _put(out, "cuda_memcpy_frac", None if copy_ns is None else copy_ns / 1e9 / span)
+    copied = _sum(w, "cuda", "cuda.memcpy_bytes")
+    _put(out, "cuda_memcpy_bytes_per_s", None if copied is None else copied / span)
+    htod = _sum(w, "cuda", "cuda.memcpy_bytes", ("HtoD",))
+    _put(out, "cuda_memcpy_htod_bytes_per_s", None if htod is None else htod / span)
+    p50 = _gauges(w, "cuda", "cuda.lat_p50_ns", MEMCPY_APIS)
+    if p50:
+        out["cuda_memcpy_lat_p50_ns"] = sum(a.gauge_sum for a in p50) / sum(a.gauge_n for a in p50)
+    p99 = _gauges(w, "cuda", "cuda.lat_p99_ns", MEMCPY_APIS)
+    if p99:
+        out["cuda_memcpy_lat_p99_ns"] = max(a.gauge_last for a in p99)
+    live = _gauges(w, "cuda", "cuda.mem_live_bytes")
+    if live:
+        out["cuda_mem_live_bytes"] = sum(a.gauge_last for a in live)
+    malloc, free = _sum(w, "cuda", "cuda.malloc_bytes"), _sum(w, "cuda", "cuda.free_bytes")
+    if malloc is not None or free is not None:
+        out["cuda_malloc_free_balance_bytes"] = (malloc or 0.0) - (free or 0.0)
+    errors = _sum(w, "cuda", "cuda.errors")
+    _put(out, "cuda_errors_per_s", None if errors is None else errors / span)
+    return out
+
+
+def nccl_features(w: Window) -> dict[str, float]:
+    if "nccl" not in w.sources:
+        return {}
+    out: dict[str, float] = {}
+    span = _window_s(w)
+    calls = _sum(w, "nccl", "nccl.calls", COLLECTIVES)
+    if calls is None:
+        return out
+    moved = _sum(w, "nccl", "nccl.bytes", COLLECTIVES) or 0.0
+    busy_ns = _sum(w, "nccl", "nccl.dur_ns", COLLECTIVES) or 0.0
+    out["nccl_calls_per_s"] = calls / span
+    out["nccl_bytes_per_s"] = moved / span
+    out["nccl_time_frac"] = busy_ns / 1e9 / span
+    if busy_ns > 0:
+        out["nccl_algbw_gbps"] = moved / busy_ns  # bytes per ns = GB/s
+    p50 = _gauges(w, "nccl", "nccl.lat_p50_ns", COLLECTIVES)
+    if p50:
+        out["nccl_lat_p50_ns"] = sum(a.gauge_sum for a in p50) / sum(a.gauge_n for a in p50)
+    p99 = _gauges(w, "nccl", "nccl.lat_p99_ns", COLLECTIVES)
+    if p99:
+        out["nccl_lat_p99_ns"] = max(a.gauge_last for a in p99)
+    for op in COLLECTIVES:
+        op_p99 = _gauges(w, "nccl", "nccl.lat_p99_ns", (op,))
+        if op_p99:
+            out[f"nccl_{op.lower()}_lat_p99_ns"] = max(a.gauge_last for a in op_p99)
+        op_bytes, op_ns = _sum(w, "nccl", "nccl.bytes", (op,)), _sum(w, "nccl", "nccl.dur_ns", (op,))
+        if op_bytes is not None and op_ns:
+            out[f"nccl_{op.lower()}_algbw_gbps"] = op_bytes / op_ns
+    return out
+
+
+def python_features(w: Window) -> dict[str, float]:
+    if "python" not in w.sources:
+        return {}
+    out: dict[str, float] = {}
+    span = _window_s(w)
+    gc_ns, gc_n = _sum(w, "python", "python.gc_ns"), _sum(w, "python", "python.gc_count")
+    _put(out, "python_gc_frac", None if gc_ns is None else gc_ns / 1e9 / span)
+    _put(out, "python_gc_per_s", None if gc_n is None else gc_n / span)
+    calls = _deltas(w, "python", "python.calls")
+    if calls:
+        total = sum(a.delta_sum for _, a in calls)
+        out["python_calls_per_s"] = total / span
+        func_ns = [a.delta_sum for d, a in _deltas(w, "python", "python.func_ns") if d != "other"]
+        if func_ns:  # inclusive time, so nested calls overlap: the top function's share of the window
+            out["python_top_func_share"] = max(func_ns) / 1e9 / span
+    return out
+
+
+def _torch_class(op: str) -> str:
+    name = op.split("::")[-1].lower()
+    for cls, fragments in TORCH_CLASSES:
+        if any(name == f or name.startswith(f + "_") or name.endswith("_" + f) or name.startswith(f)
+               for f in fragments):
+            return cls
+    return "other"
+
+
+def torch_features(w: Window) -> dict[str, float]:
+    if "torch" not in w.sources:
+        return {}
+    ops = _deltas(w, "torch", "torch.ops")
+    if not ops:
+        return {}
+    span = _window_s(w)
+    out = {"torch_ops_per_s": sum(a.delta_sum for _, a in ops) / span}
+    by_class = {"matmul": 0.0, "elementwise": 0.0, "other": 0.0}
+    for op, agg in ops:
+        by_class[_torch_class(op)] += agg.delta_sum
+    for cls, n in by_class.items():
+        out[f"torch_{cls}_ops_per_s"] = n / span
+    op_ns = _sum(w, "torch", "torch.op_ns")
+    _put(out, "torch_op_time_frac", None if op_ns is None else op_ns / 1e9 / span)
+    return out

@@ -1,0 +1,88 @@
+"""Window features from traced sources: rates, time shares, percentiles, and sample_frac scaling."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fleetscope.schema import SOURCE_COLUMNS, validate
+from fleetscope.wire import Batch, StrColumn
+from streams.features import window_features
+from streams.windows import WindowAssembler
+
+T0 = 1_700_000_000 * 10**9
+TICK = 250_000_000  # the agent samples every 250 ms here
+
+
+def traced_batch(source: str, ts: int, rows: list[tuple[str, str, float, int]], frac: float = 1.0) -> Batch:
+    """rows: (metric, device, value, interval_ns) of one rank (tenant t, job j, rank 3, pid 77)."""
+    n = len(rows)
+    metric, device, value, interval = zip(*rows)
+    cols = {"ts_ns": np.full(n, ts, "<i8"), "tenant": StrColumn.constant("t", n), "job": StrColumn.constant("j", n),
+            "rank": np.full(n, 3, "<i4"), "pid": np.full(n, 77, "<i4"), "gpu": np.full(n, 0, "<i2"),
+            "metric": StrColumn.of(metric), "device": StrColumn.of(device), "value": np.array(value, "<f8"),
+            "interval_ns": np.array(interval, "<i8"), "sample_frac": np.full(n, frac, "<f8")}
+    batch = Batch(source, "node-a", {k: cols[k] for k in SOURCE_COLUMNS[source]}, created_ns=ts)
+    validate(batch)
+    return batch
+
+
+def one_window(batches) -> dict[str, float]:
+    w = WindowAssembler(window_s=1.0, allowed_lateness_s=0, idle_close_s=60)
+    for b in batches:
+        w.add(b, None)
+    (window,) = [x for x in w.pop_closed(force=True) if x.start_ns == T0]
+    return window_features(window)
+
+
+def test_cuda_rates_shares_percentiles_and_leak_balance():
+    batches = []
+    for i in range(4):  # four 250 ms ticks fill the window [T0, T0+1s)
+        ts = T0 + (i + 1) * TICK - 1
+        batches.append(traced_batch("cuda", ts, [
+            ("cuda.calls", "cudaLaunchKernel", 1000, TICK),
+            ("cuda.calls", "cudaStreamSynchronize", 10, TICK), ("cuda.dur_ns", "cudaStreamSynchronize", 50e6, TICK),
+            ("cuda.dur_ns", "cudaMemcpy", 25e6, TICK), ("cuda.memcpy_bytes", "HtoD", 4e6, TICK),
+            ("cuda.memcpy_bytes", "DtoH", 1e6, TICK),
+            ("cuda.lat_p50_ns", "cudaMemcpy", 1000 * (i + 1), 0), ("cuda.lat_p99_ns", "cudaMemcpy", 9000 * (i + 1), 0),
+            ("cuda.malloc_bytes", "cudaMalloc", 1 << 20, TICK), ("cuda.free_bytes", "cudaFree", 1 << 18, TICK),
+            ("cuda.mem_live_bytes", "all", (i + 1) * 3 * (1 << 18), 0), ("cuda.errors", "cudaMemcpy", 0, TICK)]))
+    f = one_window(batches)
+    assert f["cuda_launch_per_s"] == pytest.approx(4000)
+    assert f["cuda_sync_frac"] == pytest.approx(0.2)
+    assert f["cuda_memcpy_frac"] == pytest.approx(0.1)
+    assert f["cuda_memcpy_bytes_per_s"] == pytest.approx(20e6)
+    assert f["cuda_memcpy_htod_bytes_per_s"] == pytest.approx(16e6)
+    assert f["cuda_memcpy_lat_p50_ns"] == pytest.approx(2500)  # mean of the ticks' p50
+    assert f["cuda_memcpy_lat_p99_ns"] == pytest.approx(36000)  # the worst tick's p99
+    assert f["cuda_malloc_free_balance_bytes"] == pytest.approx(4 * ((1 << 20) - (1 << 18)))
+    assert f["cuda_mem_live_bytes"] == pytest.approx(12 * (1 << 18))  # the newest gauge
+    assert f["cuda_errors_per_s"] == 0.0  # a measured zero, present
+    assert "nccl_calls_per_s" not in f  # no NCCL source: masked, not zero
+
+
+def test_duty_cycled_counts_scale_by_sample_frac_so_rates_do_not_jump():
+    full = one_window([traced_batch("torch", T0 + (i + 1) * TICK - 1, [("torch.ops", "aten::mm", 400, TICK)])
+                       for i in range(4)])
+    # the governor attached the family a quarter of the time: a quarter of the hits, same estimate
+    sampled = one_window([traced_batch("torch", T0 + (i + 1) * TICK - 1, [("torch.ops", "aten::mm", 100, TICK)],
+                                       frac=0.25) for i in range(4)])
+    assert full["torch_ops_per_s"] == pytest.approx(1600)
+    assert sampled["torch_ops_per_s"] == pytest.approx(full["torch_ops_per_s"])
+    assert sampled["torch_matmul_ops_per_s"] == pytest.approx(1600)
+
+
+def test_nccl_bandwidth_per_collective_and_python_gc_share():
+    f = one_window([
+        traced_batch("nccl", T0 + TICK, [("nccl.calls", "AllReduce", 8, TICK), ("nccl.bytes", "AllReduce", 8e9, TICK),
+                                         ("nccl.dur_ns", "AllReduce", 400e6, TICK),
+                                         ("nccl.lat_p99_ns", "AllReduce", 60e6, 0)]),
+        traced_batch("python", T0 + TICK, [("python.gc_ns", "all", 150e6, TICK), ("python.gc_count", "all", 30, TICK),
+                                           ("python.calls", "train:step", 5, TICK),
+                                           ("python.func_ns", "train:step", 900e6, TICK)])])
+    assert f["nccl_algbw_gbps"] == pytest.approx(20.0)
+    assert f["nccl_allreduce_algbw_gbps"] == pytest.approx(20.0)
+    assert f["nccl_allreduce_lat_p99_ns"] == pytest.approx(60e6)
+    assert f["nccl_time_frac"] == pytest.approx(0.4)
+    assert f["python_gc_frac"] == pytest.approx(0.15)
+    assert f["python_gc_per_s"] == pytest.approx(30)
+    assert f["python_top_func_share"] == pytest.approx(0.9)
