@@ -51,3 +51,22 @@ def test_runs_under_debian_python_with_gc_storm_knob(tmp_path):
     assert time.monotonic() - t0 < 60
     assert results[0]["faults_seen"] == [] and results[1]["faults_seen"] == ["gc_storm"]
     assert all(r["steps"] > 5 for r in results), results
+
+
+def test_gpu_standin_plan_puts_each_fault_in_its_call():
+    from benchmarks.workloads.gpu_standin import StandinConfig, plan_step, step_time_us
+    cfg = StandinConfig()
+    base = {c.api: c for c in plan_step(cfg, 2)}
+    assert [c.api for c in plan_step(cfg, 2)].count("cudaLaunchKernel") == cfg.kernels
+    assert base["cudaMemcpy"].duration_us == pytest.approx(16e6 * 8 / 12e9 * 1e6)
+    # ring all-reduce over 2 ranks: 2 hops of latency, 8 MB on the link at 20 Gbit/s
+    assert base["ncclAllReduce"].duration_us == pytest.approx(2 * 50 + 8e6 * 8 / 20e9 * 1e6)
+    stall = {c.api: c for c in plan_step(cfg, 2, {"memcpy_stall": {"extra_ms": 25}})}
+    assert stall["cudaMemcpy"].duration_us - base["cudaMemcpy"].duration_us == pytest.approx(25_000)
+    leak = plan_step(cfg, 2, {"gpu_memory_leak": {"bytes_per_step": 1 << 24}})
+    assert [c.args for c in leak if c.api == "cudaMalloc"] == [{"bytes": 1 << 24, "free": False}]
+    slow = {c.api: c for c in plan_step(cfg, 2, {"link_delay": {"delay_ms": 20, "bandwidth_mbps": 200}})}
+    assert slow["ncclAllReduce"].duration_us == pytest.approx(2 * 20_050 + 8e6 * 8 / 0.2e9 * 1e6)
+    assert 50_000 < step_time_us(plan_step(cfg, 2)) < 200_000
+    with pytest.raises(ValueError, match="unknown stand-in knob"):
+        plan_step(cfg, 2, {"gc_strom": {}})
