@@ -145,13 +145,7 @@ static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
         count_lost();
         return 0;
     }
-    e->ts = f.ts;
-    e->dur_ns = dur;
-    e->pid = pid;
-    e->tid = (u32)pid_tgid;
-    e->api = f.api;
-    e->rc = rc;
-    __builtin_memcpy(e->arg, f.arg, sizeof(e->arg));
+    gpu_event_fill(e, &f, dur, pid_tgid, rc);
     calls.ringbuf_submit(e, 0);
 #endif
     return 0;

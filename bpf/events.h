@@ -160,6 +160,17 @@ static __always_inline u32 gpu_lat_bucket(u64 ns) {
     return l * 4 + ((ns >> (l - 2)) & 3);
 }
 
+static __always_inline void gpu_event_fill(struct gpu_call_event *e, struct gpu_inflight *f, u64 dur,
+                                           u64 pid_tgid, s32 rc) {
+    e->ts = f->ts;
+    e->dur_ns = dur;
+    e->pid = pid_tgid >> 32;
+    e->tid = (u32)pid_tgid;
+    e->api = f->api;
+    e->rc = rc;
+    __builtin_memcpy(e->arg, f->arg, sizeof(e->arg));
+}
+
 static __always_inline void gpu_stats_add(struct gpu_call_stats *s, u64 dur, s32 rc, u64 bytes) {
     __sync_fetch_and_add(&s->calls, 1);
     __sync_fetch_and_add(&s->dur_ns, dur);

@@ -97,13 +97,7 @@ int ret_nccl(struct pt_regs *ctx) {
         count_lost();
         return 0;
     }
-    e->ts = f.ts;
-    e->dur_ns = dur;
-    e->pid = pid;
-    e->tid = (u32)id;
-    e->api = f.api;
-    e->rc = rc;
-    __builtin_memcpy(e->arg, f.arg, sizeof(e->arg));
+    gpu_event_fill(e, &f, dur, id, rc);
     calls.ringbuf_submit(e, 0);
 #endif
     return 0;

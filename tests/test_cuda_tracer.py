@@ -10,7 +10,9 @@ import time
 
 import pytest
 from gpu_stub.batches import index, rows
-from gpu_stub.build import Workload, build
+from gpu_stub import fixtures
+
+make, stubs = fixtures.make, fixtures.stubs  # pytest fixtures, shared with the other GPU tracer tests
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
@@ -19,33 +21,10 @@ VECADD = "vecAdd(float const*, float const*, float*, int)"
 RELU = "relu_kernel(float*, int)"
 
 
-@pytest.fixture(scope="module")
-def stubs(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("gpu_stub"))
-
-
 @pytest.fixture
-def make(stubs):
+def tracer_cls():
     from producers.tracers.cuda import CudaTracer
-    made, procs = [], []
-
-    def tracer(**kw):
-        t = CudaTracer("node-a", **kw)
-        made.append(t)
-        return t
-
-    def workload(*args, **kw):
-        w = Workload(stubs, *args, **kw)
-        procs.append(w)
-        return w
-
-    try:
-        yield tracer, workload
-    finally:
-        for w in procs:
-            w.kill()
-        for t in made:
-            t.close()
+    return CudaTracer
 
 
 def wait_attached(tracer, pid, timeout=10.0):

@@ -9,7 +9,9 @@ import time
 
 import pytest
 from gpu_stub.batches import index, rows
-from gpu_stub.build import Workload, build
+from gpu_stub import fixtures
+
+make, stubs = fixtures.make, fixtures.stubs  # pytest fixtures, shared with the other GPU tracer tests
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
@@ -20,33 +22,10 @@ CALLS = {"AllReduce": (1000, "float32", 4000), "AllGather": (256, "float16", 512
          "Send": (64, "int32", 256), "Recv": (32, "bfloat16", 64)}
 
 
-@pytest.fixture(scope="module")
-def stubs(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("gpu_stub"))
-
-
 @pytest.fixture
-def make(stubs):
+def tracer_cls():
     from producers.tracers.nccl import NcclTracer
-    made, procs = [], []
-
-    def tracer(**kw):
-        t = NcclTracer("node-a", **kw)
-        made.append(t)
-        return t
-
-    def workload(*args, **kw):
-        w = Workload(stubs, *args, **kw)
-        procs.append(w)
-        return w
-
-    try:
-        yield tracer, workload
-    finally:
-        for w in procs:
-            w.kill()
-        for t in made:
-            t.close()
+    return NcclTracer
 
 
 def test_every_call_bytes_per_datatype_peers_comm_and_return_codes(make):

@@ -218,6 +218,9 @@ class GpuCallTracer:
         interval = max(now_ns - self._last_ns, 0)
         fracs = self._fractions(mono)
         self._last_ns, self._last_mono = now_ns, mono
+        # Exits are noted before the maps are read: a process found gone has
+        # made its last call, so dropping it after the read loses nothing.
+        gone = [pid for pid in self.libs if not os.path.exists(f"/proc/{pid}")]
         rows = self._stats_rows(interval, fracs) + self._extra_rows(interval, fracs)
         if self.detail:
             self.records = []
@@ -226,10 +229,10 @@ class GpuCallTracer:
         lost = int(table[table.Key(0)].value)
         rows.append((f"{self.SOURCE}.lost_events", "all", lost - self._prev_lost, 0, interval, 1.0))
         self._prev_lost = lost
+        for pid in gone:
+            self.remove_pid(pid)  # its last deltas are in this batch
         for pid in list(self.libs):
-            if not os.path.exists(f"/proc/{pid}"):
-                self.remove_pid(pid)  # its last deltas are in this batch
-            elif len(self.libs[pid]) < len(self.LIBRARIES):
+            if len(self.libs[pid]) < len(self.LIBRARIES):
                 self._pick_up_late_libraries(pid)
         return metric_batch(self.SOURCE, self.host, rows, now_ns, interval, self._identity)
 

@@ -41,12 +41,12 @@ class Workload:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
-    def finish(self, timeout: float = 60) -> tuple[int, float]:
-        """Wait for the end: (iterations done, ns per iteration)."""
+    def finish(self, timeout: float = 60) -> tuple[int, float, float]:
+        """Wait for the end: (iterations done, wall ns per iteration, the thread's CPU ns per iteration)."""
         line = self.proc.stdout.readline().split()
         self.proc.wait(timeout)
         assert line and line[0] == "done", f"workload ended without its summary: {line}"
-        return int(line[1]), float(line[2])
+        return int(line[1]), float(line[2]), float(line[3])
 
     def kill(self) -> None:
         if self.proc.poll() is None:
