@@ -1,0 +1,95 @@
+"""Stable feature name -> dimension mapping for one job, and dict rows -> masked matrix.
+
+A name keeps its dimension for the life of the job model. A name seen for the
+first time gets the next free dimension until ``max_features`` is reached;
+after that new names are ignored and counted (``ignored_values``, and the
+first few names in ``ignored_names``) so the loss is visible, never silent.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+IGNORED_NAMES_KEPT = 16
+LAYOUTS_KEPT = 64
+
+
+class FeatureIndex:
+    def __init__(self, max_features: int = 256):
+        self.max_features = max_features
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.ignored_values = 0
+        self.nonfinite_values = 0
+        self.ignored_names: list[str] = []
+        self._layouts: dict[tuple[str, ...], np.ndarray] = {}
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    def _add(self, name: str) -> int | None:
+        if len(self.names) >= self.max_features:
+            self.ignored_values += 1
+            if name not in self.ignored_names and len(self.ignored_names) < IGNORED_NAMES_KEPT:
+                self.ignored_names.append(name)
+            return None
+        self.index[name] = len(self.names)
+        self.names.append(name)
+        return self.index[name]
+
+    def _columns(self, keys: tuple[str, ...]) -> np.ndarray:
+        """Column of each key (-1: ignored, counted); cached per key layout, since ranks share one."""
+        cols = self._layouts.get(keys)
+        if cols is not None:
+            return cols
+        out = []
+        for k in keys:
+            j = self.index.get(k)
+            if j is None:
+                j = self._add(k)
+            out.append(-1 if j is None else j)
+        cols = np.array(out, dtype=np.int64)
+        if not (cols < 0).any():      # layouts with ignored names are not cached: each is counted
+            if len(self._layouts) >= LAYOUTS_KEPT:
+                self._layouts.clear()
+            self._layouts[keys] = cols
+        return cols
+
+    def matrix(self, rows: list[tuple[int, dict[str, float]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return (ranks, X, observed): X is (n, D) with NaN where masked.
+
+        New names grow D first. A non-finite value counts as masked (and is
+        counted in ``nonfinite_values``): it carries no measurement.
+        """
+        placed = []
+        for i, (_, feats) in enumerate(rows):
+            cols = self._columns(tuple(feats))
+            vals = np.fromiter(feats.values(), dtype=float, count=len(feats))
+            if (cols < 0).any():
+                keep = cols >= 0
+                cols, vals = cols[keep], vals[keep]
+            placed.append((i, cols, vals))
+        ranks = np.fromiter((r for r, _ in rows), dtype=np.int64, count=len(rows))
+        X = np.full((len(rows), self.size), np.nan)
+        for i, cols, vals in placed:
+            X[i, cols] = vals
+        bad = np.isinf(X)
+        n_nan_set = sum(int(np.isnan(v).sum()) for _, _, v in placed)
+        self.nonfinite_values += int(bad.sum()) + n_nan_set
+        X[bad] = np.nan
+        return ranks, X, ~np.isnan(X)
+
+    def state(self) -> dict:
+        return {"names": self.names, "max_features": self.max_features,
+                "ignored_values": self.ignored_values, "nonfinite_values": self.nonfinite_values,
+                "ignored_names": self.ignored_names}
+
+    @classmethod
+    def from_state(cls, s: dict) -> "FeatureIndex":
+        fi = cls(s["max_features"])
+        fi.names = list(s["names"])
+        fi.index = {n: i for i, n in enumerate(fi.names)}
+        fi.ignored_values = s["ignored_values"]
+        fi.nonfinite_values = s["nonfinite_values"]
+        fi.ignored_names = list(s["ignored_names"])
+        return fi

@@ -1,0 +1,188 @@
+"""One job's anomaly model: the facade the stream worker calls once per closed window.
+
+    model = JobModel(ModelConfig())
+    scores = model.process_window(window_start_ns, [(rank, {name: value}), ...])
+
+Per window (all ranks of the job together, one mini-batch):
+ 1. rows -> matrix with a mask (absent names are masked, never zero);
+ 2. standardize the usable cells (features with enough history);
+ 3. score every rank: mixture NLL with per-feature contributions, robust
+    peer z-scores, and the comparison detectors that are configured;
+ 4. after warm-up, each score detector flags against its own DSPOT threshold,
+    peers flag on |z| >= peer_z_threshold, and the ensemble rule decides;
+ 5. learn: flagged rows get ``anomaly_weight`` (0: not learned). When most of
+    the job's ranks have been flagged ``regime_windows`` windows in a row the
+    job itself has changed (a new phase), and those windows are learned in full
+    (counted in ``stats['regime_windows_learned']``) so that alarms end.
+A window that is not newer than the last one learned (a replay after a
+restart) is scored but not learned, and counted.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from streams.model.config import ModelConfig, WindowScore
+from streams.model.detectors import HalfSpace, Mahalanobis
+from streams.model.ensemble import Rule
+from streams.model.feature_index import FeatureIndex
+from streams.model.gmm import GaussianMixture, GMMConfig
+from streams.model.peers import PeerComparison
+from streams.model.scaling import MaskedStandardizer
+from streams.model.threshold import DSpot
+
+SCORED_DETECTORS = ("gmm", "mahalanobis", "hst")
+
+
+class JobModel:
+    def __init__(self, config: ModelConfig | None = None):
+        c = self.config = config or ModelConfig()
+        self.rule = Rule.parse(c.rule)
+        self.index = FeatureIndex(c.max_features)
+        self.scaler = MaskedStandardizer(min_obs=c.scaler_min_obs, freeze_obs=c.scaler_freeze_obs)
+        self.gmm = GaussianMixture(GMMConfig(
+            covariance=c.covariance, k=c.k, max_components=c.max_components, alpha=c.alpha,
+            eta_min=c.eta_min, var_floor=c.var_floor, shrinkage=c.shrinkage, spawn_p=c.spawn_p,
+            merge_bd=c.merge_bd, seed=c.seed))
+        self.peers = PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor)
+        self.mahal = (Mahalanobis(c.alpha, c.eta_min, c.var_floor, c.shrinkage)
+                      if "mahalanobis" in c.detectors else None)
+        self.hst = (HalfSpace(c.hst_trees, c.hst_height, c.hst_window, c.seed)
+                    if "hst" in c.detectors else None)
+        self.thresholds = {name: DSpot(risk=c.risk, level=c.tail_level, depth=c.dspot_depth)
+                           for name in SCORED_DETECTORS if name in c.detectors}
+        self.windows = 0
+        self.last_window_ns = -1
+        self.flagged_run = 0
+        self.stats = {"rows": 0, "replayed_windows": 0, "regime_windows_learned": 0,
+                      "unscorable_rows": 0}
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def warm(self) -> bool:
+        return self.thresholds["gmm"].calibrated
+
+    def _grow(self, d: int) -> None:
+        self.scaler.grow(d)
+        self.gmm.grow(d)
+        self.peers.grow(d)
+        if self.mahal:
+            self.mahal.grow(d)
+        if self.hst:
+            self.hst.grow(d)
+
+    def _top(self, values: np.ndarray, present: np.ndarray, by: np.ndarray) -> list[dict[str, float]]:
+        """Per row: the top_k present features by ``by`` (descending), as name -> value."""
+        k = min(self.config.top_k, values.shape[1])
+        if k == 0:
+            return [{} for _ in range(values.shape[0])]
+        key = np.where(present, by, -np.inf)
+        idx = np.argpartition(-key, k - 1, axis=1)[:, :k]
+        order = np.take_along_axis(key, idx, axis=1).argsort(axis=1)[:, ::-1]
+        idx = np.take_along_axis(idx, order, axis=1)
+        names = self.index.names
+        out = []
+        for r, cols in enumerate(idx.tolist()):
+            out.append({names[j]: float(values[r, j]) for j in cols if present[r, j]})
+        return out
+
+    # -------------------------------------------------------------- public
+    def process_window(self, window_start_ns: int, rows: list[tuple[int, dict[str, float]]]) -> list[WindowScore]:
+        if not rows:
+            return []
+        c = self.config
+        ranks, X, M = self.index.matrix(rows)
+        self._grow(self.index.size)
+        replay = window_start_ns <= self.last_window_ns
+        if replay:
+            self.stats["replayed_windows"] += 1
+        else:
+            self.windows += 1
+            self.last_window_ns = window_start_ns
+            self.stats["rows"] += len(rows)
+
+        usable = M & self.scaler.ready()
+        Z = self.scaler.transform(X, usable)
+        sc = self.gmm.score(Z, usable)
+        contrib = self.gmm.contributions(Z, usable, sc)
+        pz = self.peers.zscores(X, M, learn=not replay)
+        scorable = sc.n_obs > 0
+        self.stats["unscorable_rows"] += int((~scorable).sum())
+        scores = {"gmm": sc.nll}
+        if self.mahal:
+            scores["mahalanobis"] = self.mahal.score(Z, usable)
+        if self.hst:
+            scores["hst"] = self.hst.score(X, usable)
+
+        n = len(rows)
+        warm = self.warm
+        fired: dict[str, np.ndarray] = {}
+        gmm_threshold = None
+        if warm:
+            gmm_threshold = self.thresholds["gmm"].threshold()
+            for name, s in scores.items():
+                f = np.zeros(n, bool)
+                f[scorable] = self.thresholds[name].step(s[scorable], learn=not replay)
+                fired[name] = f
+            fired["peer"] = np.abs(pz).max(axis=1, initial=0.0) >= c.peer_z_threshold
+            anomaly = np.array([self.rule.decide({d for d, f in fired.items() if f[i]}) for i in range(n)])
+        else:
+            anomaly = np.zeros(n, bool)
+            if not replay and self.windows > c.warmup_windows // 2:
+                for name, s in scores.items():
+                    self.thresholds[name].warm(s[scorable])
+            if not replay and self.windows >= c.warmup_windows:
+                for t in self.thresholds.values():
+                    if t.init.size >= 10:
+                        t.calibrate()
+
+        if not replay:
+            self._learn(X, M, Z, usable, sc, anomaly)
+
+        top_c = self._top(contrib, usable, contrib)
+        top_z = self._top(pz, M & (pz != 0), np.abs(pz))
+        return [WindowScore(rank=int(ranks[i]), score=float(sc.nll[i]), threshold=gmm_threshold,
+                            is_anomaly=bool(anomaly[i]),
+                            detectors=[d for d in ("gmm", "peer", "hst", "mahalanobis") if d in fired and fired[d][i]],
+                            contributions=top_c[i], peer_z=top_z[i], warm=warm)
+                for i in range(n)]
+
+    def _learn(self, X, M, Z, usable, sc, anomaly) -> None:
+        c = self.config
+        self.flagged_run = self.flagged_run + 1 if anomaly.mean() > 0.5 else 0
+        if self.flagged_run >= c.regime_windows:
+            w = np.ones(len(anomaly))
+            self.stats["regime_windows_learned"] += 1
+        else:
+            w = np.where(anomaly, c.anomaly_weight, 1.0)
+        self.gmm.partial_fit(Z, usable, w, scored=sc)
+        if self.mahal:
+            self.mahal.learn(Z, usable, w)
+        normal = w >= 1.0
+        if self.hst:
+            self.hst.learn(X, usable, normal)
+        change = self.scaler.update(X, M & normal[:, None])
+        if change is not None:
+            args = (change.a, change.b, change.moved, change.fresh)
+            self.gmm.affine(*args)
+            if self.mahal:
+                self.mahal.affine(*args)
+
+    def memory_bytes(self) -> int:
+        total = self.gmm.nbytes() + sum(a.nbytes for a in self.scaler.state().values())
+        total += self.peers.typical.nbytes + sum(t.nbytes() for t in self.thresholds.values())
+        total += sum(len(n) + 64 for n in self.index.names) * 2   # names list + index dict
+        if self.mahal:
+            total += self.mahal.g.nbytes()
+        if self.hst:
+            total += self.hst.nbytes()
+        return total
+
+    # ----------------------------------------------------------- checkpoint
+    def to_bytes(self) -> bytes:
+        from streams.model.checkpoint import dump
+        return dump(self)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "JobModel":
+        from streams.model.checkpoint import load
+        return load(blob)

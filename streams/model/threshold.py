@@ -1,0 +1,166 @@
+"""Streaming tail threshold without a healthy baseline: SPOT / DSPOT.
+
+Peaks-over-threshold (Siffer et al., KDD 2017). Calibration: from the scores
+seen in warm-up, an initial threshold u is the ``level`` quantile; the
+excesses over u (the peaks) are fitted by a generalized Pareto distribution,
+and the alarm threshold is the value exceeded with probability ``risk``:
+    z = u + sigma/gamma * ((risk * n / N_u) ** -gamma - 1)   (gamma != 0)
+    z = u - sigma * log(risk * n / N_u)                        (gamma == 0)
+Streaming: a score above z is an alarm and is not learned; a score above u
+is a new peak (GPD refitted, z recomputed); otherwise only n grows.
+
+DSPOT (``depth`` > 0) runs the same on x - m, where m is the mean of the last
+``depth`` normal scores, so a slow drift of the score level moves the
+threshold with it instead of alarming forever.
+
+The GPD is fitted by the method of moments (closed form, cheap enough to
+refit on every peak); gamma is clipped to [-0.5, 0.5] since a few dozen peaks
+cannot support more. Memory is bounded: at most ``max_peaks`` peaks are
+kept; beyond that the oldest goes and n is scaled down to keep the peak rate.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class DSpot:
+    def __init__(self, risk: float = 1e-3, level: float = 0.98, depth: int = 200,
+                 max_peaks: int = 2000, max_init: int = 5000, gamma_min: float = 0.0):
+        self.gamma_min = gamma_min
+        self.risk = risk
+        self.level = level
+        self.depth = depth
+        self.max_peaks = max_peaks
+        self.max_init = max_init
+        self.init = np.zeros(0)
+        self.recent = _Ring(depth)     # last `depth` normal scores (DSPOT)
+        self.peaks = _Ring(max_peaks)
+        self.n = 0.0
+        self.u = 0.0
+        self.sigma = 1.0
+        self.gamma = 0.0
+        self.z: float | None = None    # alarm threshold on the de-trended score
+
+    # ------------------------------------------------------------ helpers
+    def _local(self) -> float:
+        return float(self.recent.values().mean()) if self.depth and self.recent.count else 0.0
+
+    def _fit(self) -> None:
+        y = self.peaks.values()
+        if y.size < 2:
+            self.sigma, self.gamma = max(float(y.mean()) if y.size else 1e-9, 1e-9), 0.0
+        else:
+            m, v = float(y.mean()), float(y.var())
+            if v <= 0:
+                self.sigma, self.gamma = max(m, 1e-9), 0.0
+            else:
+                r = m * m / v
+                self.gamma = float(np.clip(0.5 * (1.0 - r), self.gamma_min, 0.5))
+                self.sigma = max(m * (1.0 - self.gamma), 1e-9)
+        ratio = self.risk * self.n / max(y.size, 1)
+        if abs(self.gamma) < 1e-6:
+            self.z = self.u - self.sigma * np.log(ratio)
+        else:
+            self.z = self.u + self.sigma / self.gamma * (ratio ** -self.gamma - 1.0)
+        self.z = max(self.z, self.u)
+
+    # -------------------------------------------------------------- public
+    @property
+    def calibrated(self) -> bool:
+        return self.z is not None
+
+    def threshold(self) -> float | None:
+        """The current alarm threshold on the raw score scale."""
+        return None if self.z is None else self.z + self._local()
+
+    def warm(self, x: np.ndarray) -> None:
+        """Scores seen during warm-up (kept for calibration, bounded)."""
+        self.init = np.concatenate([self.init, np.asarray(x, float)])[-self.max_init:]
+
+    def calibrate(self) -> None:
+        x = self.init
+        if x.size < 10:
+            raise ValueError(f"DSPOT needs at least 10 warm-up scores to calibrate, got {x.size}")
+        if self.depth:
+            # de-trend each score by the mean of the `depth` before it (or all before, at the start)
+            c = np.concatenate([[0.0], np.cumsum(x)])
+            i = np.arange(x.size)
+            lo = np.maximum(i - self.depth, 0)
+            cnt = np.maximum(i - lo, 1)
+            local = np.where(i > 0, (c[i] - c[lo]) / cnt, x[0])
+            y = x - local
+            self.recent.extend(x)
+        else:
+            y = x
+        self.u = float(np.quantile(y, self.level))
+        peaks = y[y > self.u] - self.u
+        self.n = float(y.size) * min(1.0, self.max_peaks / max(peaks.size, 1))
+        self.peaks.extend(peaks)
+        self.init = np.zeros(0)
+        self._fit()
+
+    def step(self, x: np.ndarray, learn: bool = True) -> np.ndarray:
+        """Flag a batch of scores against the current threshold, then learn the normal ones."""
+        x = np.asarray(x, float)
+        y = x - self._local()
+        alarm = y > self.z
+        if not learn:
+            return alarm
+        normal = ~alarm
+        new = y[normal & (y > self.u)] - self.u
+        self.n += float(normal.sum())
+        if new.size:
+            total = self.peaks.count + new.size
+            if total > self.max_peaks:      # the oldest peaks go: keep the peak rate N_u / n
+                self.n *= self.max_peaks / total
+            self.peaks.extend(new)
+            self._fit()
+        if self.depth:
+            self.recent.extend(x[normal])
+        return alarm
+
+    # ----------------------------------------------------------- checkpoint
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        meta = {"n": self.n, "u": self.u, "sigma": self.sigma, "gamma": self.gamma, "z": self.z}
+        meta["recent"], meta["peaks"] = self.recent.meta(), self.peaks.meta()
+        return meta, {"init": self.init, "recent": self.recent.buf, "peaks": self.peaks.buf}
+
+    def load(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        self.n, self.u, self.sigma, self.gamma, self.z = (meta[k] for k in ("n", "u", "sigma", "gamma", "z"))
+        self.init = arrays["init"]
+        self.recent.load(meta["recent"], arrays["recent"])
+        self.peaks.load(meta["peaks"], arrays["peaks"])
+
+    def nbytes(self) -> int:
+        return self.init.nbytes + self.recent.buf.nbytes + self.peaks.buf.nbytes
+
+
+class _Ring:
+    """Fixed-capacity FIFO of floats, allocated once (memory does not grow)."""
+
+    def __init__(self, capacity: int):
+        self.buf = np.zeros(capacity)
+        self.count = 0
+        self.head = 0          # next write position
+
+    def extend(self, x: np.ndarray) -> None:
+        cap = self.buf.size
+        if cap == 0 or x.size == 0:
+            return
+        x = x[-cap:]
+        idx = (self.head + np.arange(x.size)) % cap
+        self.buf[idx] = x
+        self.head = int((self.head + x.size) % cap)
+        self.count = min(self.count + x.size, cap)
+
+    def values(self) -> np.ndarray:
+        """The stored values, oldest first."""
+        if self.count < self.buf.size:
+            return self.buf[:self.count]
+        return np.concatenate([self.buf[self.head:], self.buf[:self.head]])
+
+    def meta(self) -> dict:
+        return {"count": self.count, "head": self.head}
+
+    def load(self, meta: dict, buf: np.ndarray) -> None:
+        self.count, self.head, self.buf = meta["count"], meta["head"], buf.copy()
