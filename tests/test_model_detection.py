@@ -1,0 +1,149 @@
+"""Planted anomalies in synthetic per-rank streams (8 ranks, 30 features, job-wide and
+per-rank correlated noise: streams/model/synthetic.py) through the JobModel facade."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streams.model import JobModel, ModelConfig
+from streams.model.ensemble import Rule
+from streams.model.synthetic import SyntheticJob
+
+FAST = ModelConfig(detectors=("gmm", "peer"))   # the default rule's detectors; hst is the slow one
+START = 80                                       # fault onset, well after the 30-window warm-up
+SEEDS = (0, 1, 2)
+
+
+def run(seed: int, n: int, factor=None, masked=None, cfg: ModelConfig = FAST):
+    """Per window, the list of WindowScore; factor(w, job) -> multiplier array or None."""
+    job = SyntheticJob(seed=seed)
+    model = JobModel(cfg)
+    out = []
+    for w in range(n):
+        f = factor(w, job) if factor else None
+        out.append(model.process_window(w * 1_000_000_000, job.window(f, masked(w) if masked else None)))
+    return out, model, job
+
+
+def first_flag(windows, rank: int, start: int = START):
+    for w in range(start, len(windows)):
+        if windows[w][rank].is_anomaly:
+            return w - start
+    return None
+
+
+def flagged_windows(windows, lo: int, hi: int) -> int:
+    return sum(any(s.is_anomaly for s in windows[w]) for w in range(lo, hi))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_one_slow_rank_is_flagged_within_3_windows(seed):
+    slow = [0, 1, 2, 3, 4, 5]
+
+    def factor(w, job):
+        f = np.ones((8, 30))
+        if w >= START:
+            f[3, slow] = 0.85            # rank 3 runs 15% slower: six throughput features drop
+        return f
+    windows, _, _ = run(seed, START + 10, factor)
+    assert first_flag(windows, 3) is not None and first_flag(windows, 3) <= 2
+    hit = windows[START + 2][3]
+    assert set(hit.contributions) & {f"gpu.f{j}" for j in slow}
+    assert set(hit.peer_z) & {f"gpu.f{j}" for j in slow}
+    assert hit.threshold is not None and hit.warm
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_one_feature_shifted_on_one_rank_is_flagged_within_3_windows(seed):
+    def factor(w, job):
+        f = np.ones((8, 30))
+        if w >= START:
+            f[5, 17] = 1 + 6 * job.cv[17] * job.noise_sd()[17]   # +6 sd of that feature's noise
+        return f
+    windows, _, job = run(seed, START + 10, factor)
+    delay = first_flag(windows, 5)
+    assert delay is not None and delay <= 2
+    assert job.names[17] in windows[START + delay][5].peer_z
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gradual_drift_on_all_ranks_stops_alarming(seed):
+    def factor(w, job):
+        f = np.ones((8, 30))
+        if w >= 60:
+            f[:, :10] = 1 + 0.01 * (w - 60)   # +1% a window on a third of the features, every rank
+        return f
+    windows, model, _ = run(seed, 400, factor)
+    assert flagged_windows(windows, 250, 400) <= 1   # adapted: no lasting alarm (<= 1 of 150)
+
+
+@pytest.mark.parametrize("seed", (0, 1, 2, 3))
+def test_stationary_healthy_stream_flags_at_most_1_percent(seed):
+    windows, model, _ = run(seed, 400)
+    warm = [w for w in range(400) if windows[w][0].warm]
+    assert warm[0] <= 31 and len(warm) >= 360
+    assert flagged_windows(windows, warm[0], 400) <= 0.01 * len(warm)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_missing_source_does_not_itself_cause_a_flag(seed):
+    def masked(w):
+        return {2: "gpu"} if w >= START else None     # rank 2's GPU source disappears
+    windows, model, job = run(seed, 200, masked=masked)
+    after = [windows[w][2] for w in range(START, 200)]
+    assert sum(s.is_anomaly for s in after) <= 1
+    assert all(np.isfinite(s.score) for s in after)
+    assert not any(n.startswith("gpu.") for s in after for n in list(s.contributions) + list(s.peer_z))
+
+
+def test_no_flags_during_warm_up_even_with_a_fault():
+    def factor(w, job):
+        f = np.ones((8, 30))
+        f[3, :6] = 0.5                     # broken from the first window
+        return f
+    windows, _, _ = run(0, 30, factor)
+    assert not any(s.is_anomaly or s.detectors or s.warm or s.threshold is not None
+                   for ws in windows for s in ws)
+
+
+def test_all_four_detectors_run_and_the_rule_decides():
+    cfg = ModelConfig(detectors=("gmm", "peer", "hst", "mahalanobis"), rule="2 of gmm,peer,hst,mahalanobis")
+
+    def factor(w, job):
+        f = np.ones((8, 30))
+        if w >= START:
+            f[3, :6] = 0.7
+        return f
+    windows, model, _ = run(0, START + 5, factor, cfg=cfg)
+    fired = set().union(*(s.detectors for ws in windows[START:] for s in ws if s.rank == 3))
+    assert {"gmm", "peer", "mahalanobis"} <= fired
+    for ws in windows[START:]:
+        for s in ws:
+            assert s.is_anomaly == (len(s.detectors) >= 2)
+
+
+def test_rule_parsing_and_errors():
+    assert Rule.parse("gmm or peer") == Rule(("gmm", "peer"), 1)
+    assert Rule.parse("gmm and hst") == Rule(("gmm", "hst"), 2)
+    assert Rule.parse("2 of gmm, peer, hst").decide({"peer", "hst"})
+    assert not Rule.parse("2 of gmm,peer,hst").decide({"peer"})
+    with pytest.raises(ValueError, match="unknown detector"):
+        Rule.parse("gmm or isolation")
+    with pytest.raises(ValueError, match="not in detectors"):
+        ModelConfig(detectors=("gmm",), rule="gmm or peer")
+    with pytest.raises(ValueError, match="alpha"):
+        JobModel(ModelConfig(alpha=0.4)).process_window(0, [(0, {"a": 1.0})])
+
+
+def test_peer_floor_keeps_identical_ranks_quiet():
+    """Ranks equal to 1e-9 relative: tiny noise must not give huge z; a real straggler must."""
+    model = JobModel(ModelConfig(detectors=("gmm", "peer"), warmup_windows=5))
+    rng = np.random.default_rng(0)
+    for w in range(20):
+        x = 100.0 * (1 + 1e-9 * rng.standard_normal(8))
+        if w == 19:
+            x[4] = 80.0
+        scores = model.process_window(w, [(r, {"step_rate": v}) for r, v in enumerate(x)])
+        if w < 19:
+            assert max(abs(z) for s in scores for z in s.peer_z.values()) < 1.0
+    assert scores[4].peer_z["step_rate"] <= -6 and "peer" in scores[4].detectors
