@@ -65,7 +65,7 @@ class FeatureIndex:
         for i, (_, feats) in enumerate(rows):
             cols = self._columns(tuple(feats))
             vals = np.fromiter(feats.values(), dtype=float, count=len(feats))
-            if (cols < 0).any():
+            if cols.size and cols.min() < 0:
                 keep = cols >= 0
                 cols, vals = cols[keep], vals[keep]
             placed.append((i, cols, vals))
@@ -73,11 +73,11 @@ class FeatureIndex:
         X = np.full((len(rows), self.size), np.nan)
         for i, cols, vals in placed:
             X[i, cols] = vals
-        bad = np.isinf(X)
-        n_nan_set = sum(int(np.isnan(v).sum()) for _, _, v in placed)
-        self.nonfinite_values += int(bad.sum()) + n_nan_set
-        X[bad] = np.nan
-        return ranks, X, ~np.isnan(X)
+        n_set = sum(v.size for _, _, v in placed)
+        finite = np.isfinite(X)
+        self.nonfinite_values += n_set - int(finite.sum())
+        X[~finite] = np.nan
+        return ranks, X, finite
 
     def state(self) -> dict:
         return {"names": self.names, "max_features": self.max_features,
