@@ -38,6 +38,12 @@ class Config:
     allowed_lateness_s: float = 1.0
     idle_close_s: float = 5.0  # wall-clock flush of a key that stopped sending
     consumer_group: str = "fleetscope-streams"
+    # Model: a job's ranks are scored together once all have closed a window,
+    # or after step_hold_s; no flags during the first warmup_windows windows.
+    step_hold_s: float = 3.0
+    warmup_windows: int = 30
+    detect_rule: str = "gmm or peer"  # which detectors decide: gmm, peer, hst, mahalanobis with and/or
+    model_checkpoint_s: float = 30.0
     # Agent
     host: str = field(default_factory=socket.gethostname)
     sample_interval_s: float = 1.0
@@ -108,6 +114,8 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_CONSUMER_GROUP": "consumer_group", "FLEETSCOPE_NVML": "nvml",
     "FLEETSCOPE_NVML_LIBRARY": "nvml_library", "FLEETSCOPE_TENANT_ENV": "tenant_env",
     "FLEETSCOPE_DEFAULT_TENANT": "default_tenant", "FLEETSCOPE_JOB_ENV": "job_env",
+    "FLEETSCOPE_STEP_HOLD_S": "step_hold_s", "FLEETSCOPE_WARMUP_WINDOWS": "warmup_windows",
+    "FLEETSCOPE_DETECT_RULE": "detect_rule", "FLEETSCOPE_MODEL_CHECKPOINT_S": "model_checkpoint_s",
     "FLEETSCOPE_TRACE": "trace", "FLEETSCOPE_TRACE_AUTO": "trace_auto", "FLEETSCOPE_TRACE_PIDS": "trace_pids",
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",

@@ -20,7 +20,9 @@ from typing import Callable
 
 from fleetscope.schema import validate
 from fleetscope.wire import Batch, WireError, decode
-from streams.sinks import DeadLetters, FeatureSink, RawSink
+from streams.scoring import Scorer
+from streams.sinks import DeadLetters, FeatureSink, RawSink, token
+from streams.steps import JobSteps
 from streams.windows import WindowAssembler
 
 log = logging.getLogger(__name__)
@@ -87,13 +89,16 @@ class FlushJob:
 
 class StreamProcessor:
     def __init__(self, cfg, store, producer=None, clock=time.monotonic,
-                 flush_interval_s: float = 0.25, flush_rows: int = 200_000):
+                 flush_interval_s: float = 0.25, flush_rows: int = 200_000, scoring: bool = True):
         self.cfg = cfg
         self.raw = RawSink(store)
         self.features = FeatureSink(cfg, store, producer)
         self.dead = DeadLetters(cfg, store, producer)
         self.windows = WindowAssembler(cfg.window_s, cfg.allowed_lateness_s, cfg.idle_close_s,
                                        stored_marks=self.features.stored_mark, clock=clock)
+        self.steps = JobSteps(cfg.step_hold_s, clock=clock)
+        self.scorer = Scorer(cfg, store, producer, token=token) if scoring else None
+        self.producer = producer
         self.seen = SeenBatches()
         self.stats = ProcessorStats()
         self.clock = clock
@@ -140,7 +145,8 @@ class StreamProcessor:
         if self._retry is not None:
             job, self._retry = self._retry, None
             return job
-        job = FlushJob(self._raw, self._dead, self.windows.pop_closed(force=force), self._skipped)
+        ready = self.steps.admit(self.windows.pop_closed(force=force), force=force)
+        job = FlushJob(self._raw, self._dead, ready, self._skipped)
         self._raw, self._dead, self._skipped, self.raw_rows = [], [], [], 0
         return job if (job.raw or job.dead or job.windows or job.skipped) else None
 
@@ -150,7 +156,11 @@ class StreamProcessor:
         try:
             self.dead.write(job.dead)
             self.raw.write([b for b, _ in job.raw])
-            self.features.write(job.windows)
+            vectors = self.features.write(job.windows)
+            if self.scorer is not None and job.windows:
+                self.scorer.write(job.windows, vectors)
+                if self.producer is not None and self.producer.flush(10.0):
+                    raise RuntimeError("Kafka did not acknowledge the scores in time")
             return True
         except Exception:
             self.stats.store_errors += 1
@@ -179,6 +189,9 @@ class StreamProcessor:
     def snapshot(self) -> dict:
         s = asdict(self.stats)
         ws = self.windows.stats
-        s.update(open_windows=len(self.windows.open), late_events=ws.late_events,
+        if self.scorer is not None:
+            s.update({f"model_{k}": v for k, v in asdict(self.scorer.stats).items()})
+        s.update(open_windows=len(self.windows.open), waiting_windows=self.steps.waiting_windows(),
+                 late_events=ws.late_events,
                  replayed_events=ws.replayed_events, unacked_messages=len(self._pending_refs))
         return s

@@ -24,7 +24,7 @@ RAW_TABLE = {source: "raw_metrics" for source in SOURCE_COLUMNS}
 REPLAY_LOOKBACK_S = 900  # batch ids stored this recently count as "already stored" after a restart
 
 
-def _token(kind: str, ids) -> str:
+def token(kind: str, ids) -> str:
     return f"{kind}:" + hashlib.sha1("\n".join(ids).encode()).hexdigest()
 
 
@@ -65,7 +65,7 @@ class RawSink:
                 continue
             by_table.setdefault(RAW_TABLE[batch.source], []).append(batch)
         for table, group in by_table.items():
-            self.store.insert(table, self._metric_rows(group), dedupe_token=_token(table, [b.batch_id for b in group]))
+            self.store.insert(table, self._metric_rows(group), dedupe_token=token(table, [b.batch_id for b in group]))
 
     @staticmethod
     def _metric_rows(batches: list[Batch]) -> pa.Table:
@@ -109,9 +109,10 @@ class FeatureSink:
         count, newest_ms = res.rows[0]
         return int(newest_ms) * 1_000_000 if int(count) else None
 
-    def write(self, windows) -> None:
+    def write(self, windows) -> list[dict]:
+        """Store and publish the windows' feature rows; returns their vectors."""
         if not windows:
-            return
+            return []
         vectors = [window_features(w) for w in windows]
         now = time.time_ns()
         rows = {
@@ -125,8 +126,9 @@ class FeatureSink:
             "emitted_at": np.full(len(windows), now, dtype=np.int64),
         }
         ids = [f"{w.key}@{w.start_ns}" for w in windows]
-        self.store.insert("features", rows, dedupe_token=_token("features", ids))
+        self.store.insert("features", rows, dedupe_token=token("features", ids))
         self._publish(windows, vectors)
+        return vectors
 
     def _publish(self, windows, vectors) -> None:
         if self.producer is None:
@@ -178,7 +180,7 @@ class DeadLetters:
             "size": np.array([len(v or b"") for _, v, _ in rows], dtype=np.uint32),
             "payload_head": [(v or b"")[:64].hex() for _, v, _ in rows],
         }
-        self.store.insert("dlq", table, dedupe_token=_token("dlq", [f"{r.topic}/{r.partition}/{r.offset}" for r in refs]))
+        self.store.insert("dlq", table, dedupe_token=token("dlq", [f"{r.topic}/{r.partition}/{r.offset}" for r in refs]))
         if self.producer is not None:
             for ref, value, reason in rows:
                 self.producer.produce(self.cfg.topic("dlq"), value=value, headers=[

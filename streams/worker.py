@@ -36,5 +36,10 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
     try:
         run_worker(create_app(cfg, bootstrap, processor))
     finally:
+        if processor.scorer is not None:
+            try:  # a restarted worker resumes each job's model from here
+                processor.scorer.checkpoint(force=True)
+            except Exception:
+                log.exception("final model checkpoint failed; the last periodic one stands")
         endpoint.stop()
         store.close()

@@ -88,7 +88,10 @@ def pipeline_cfg(tmp_path, broker) -> Config:
     run = uuid.uuid4().hex[:8]
     cfg = Config(data_dir=tmp_path, topic_prefix=f"t{run}", consumer_group=f"g{run}", partitions=2,
                  window_s=1.0, allowed_lateness_s=0.5, idle_close_s=3.0, host=f"host-{run}",
-                 sample_interval_s=0.5)
+                 sample_interval_s=0.5,
+                 # pipeline tests count exact rows: no tracers, which would also pick up
+                 # whatever torch processes other tests on this machine run (trace_auto)
+                 trace=())
     ensure_topics(broker.bootstrap, all_topics(cfg), cfg.partitions)
     return cfg
 

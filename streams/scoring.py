@@ -1,0 +1,206 @@
+"""Scores every released job step with the job's model; flags, explains and publishes anomalies.
+
+Runs on the flush thread, after the step's feature rows are stored:
+- a rank's vector is its own features plus its host's node features of the
+  same window (CPU, memory, IRQ, disk, network), which the rank shares with
+  whatever else runs on that host;
+- one JobModel per (tenant, job), restored from `model_state` the first time
+  this worker sees the job and checkpointed every `checkpoint_s`;
+- every (rank, window) goes to `scores` and `<prefix>.scores`; flagged ones to
+  `anomalies` and `<prefix>.anomalies` (JSON, for alerting), and through the
+  knowledge base to `diagnoses` and `<prefix>.diagnoses`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleetscope import wire
+from fleetscope.schema import NODE_TENANT
+from fleetscope.wire import Batch, StrColumn
+from streams.model import JobModel, ModelConfig
+
+log = logging.getLogger(__name__)
+NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
+
+
+@dataclass
+class ScoringStats:
+    steps: int = 0
+    scored: int = 0
+    anomalies: int = 0
+    diagnoses: int = 0
+    unmatched: int = 0
+    models: int = 0
+    restored_models: int = 0
+    checkpoints: int = 0
+    node_join_misses: int = 0  # rank windows scored without their host's node features
+
+
+class Scorer:
+    def __init__(self, cfg, store, producer=None, model_config: ModelConfig | None = None, diagnoser=None,
+                 token=None):
+        self.cfg = cfg
+        self.store = store
+        self.producer = producer
+        self.model_config = model_config or ModelConfig(warmup_windows=cfg.warmup_windows, rule=cfg.detect_rule)
+        if diagnoser is None:
+            from streams.diagnosis.pipeline import Diagnoser
+            diagnoser = Diagnoser()
+        self.diagnoser = diagnoser
+        self.token = token or (lambda kind, ids: f"{kind}:{hash(tuple(ids))}")
+        self.models: dict[tuple[str, str], JobModel] = {}
+        self.saved_at: dict[tuple[str, str], float] = {}
+        self.node: OrderedDict[tuple[str, int], dict] = OrderedDict()
+        self.stats = ScoringStats()
+
+    # ---- models ---------------------------------------------------------------
+    def model(self, tenant: str, job: str) -> JobModel:
+        key = (tenant, job)
+        m = self.models.get(key)
+        if m is None:
+            m = self._restore(tenant, job) or JobModel(self.model_config)
+            self.models[key] = m
+            self.saved_at[key] = time.monotonic()
+            self.stats.models += 1
+        return m
+
+    def _restore(self, tenant: str, job: str) -> JobModel | None:
+        res = self.store.query("SELECT state FROM model_state FINAL WHERE tenant = {t:String} AND job = {j:String} "
+                               "ORDER BY saved_at DESC LIMIT 1", {"t": tenant, "j": job})
+        if not res.rows:
+            return None
+        try:
+            m = JobModel.from_bytes(base64.b64decode(res.rows[0][0]))
+        except Exception:  # an unreadable checkpoint (older format): start afresh, visibly
+            log.exception("model checkpoint of %s/%s unreadable; relearning", tenant, job)
+            return None
+        self.stats.restored_models += 1
+        log.info("restored the model of %s/%s from its checkpoint", tenant, job)
+        return m
+
+    def checkpoint(self, force: bool = False) -> None:
+        now = time.monotonic()
+        due = [k for k in self.models if force or now - self.saved_at[k] >= self.cfg.model_checkpoint_s]
+        if not due:
+            return
+        wall = time.time_ns()
+        rows = {"tenant": [k[0] for k in due], "job": [k[1] for k in due],
+                "saved_at": np.full(len(due), wall, dtype=np.int64),
+                "last_window": np.array([max(self.models[k].last_window_ns, 0) // 10**6 * 10**6 for k in due],
+                                        dtype=np.int64),
+                "state": [base64.b64encode(self.models[k].to_bytes()).decode() for k in due]}
+        self.store.insert("model_state", rows, dedupe_token=self.token("model_state", [f"{k}@{wall}" for k in due]))
+        for k in due:
+            self.saved_at[k] = now
+        self.stats.checkpoints += len(due)
+
+    # ---- scoring --------------------------------------------------------------
+    def write(self, windows, vectors) -> None:
+        steps: dict[tuple[str, str, int], list[tuple[object, dict]]] = {}
+        for w, v in zip(windows, vectors):
+            if w.key[0] == NODE_TENANT:
+                self.node[(w.key[2], w.start_ns)] = v
+                if len(self.node) > NODE_CACHE:
+                    self.node.popitem(last=False)
+            else:
+                steps.setdefault((w.key[0], w.key[1], w.start_ns), []).append((w, v))
+        if not steps:
+            return
+        scored, flagged = [], []
+        for (tenant, job, start), members in sorted(steps.items(), key=lambda kv: kv[0][2]):
+            rows = []
+            for w, v in members:
+                node = self.node.get((w.key[2], start))
+                if node is None:
+                    self.stats.node_join_misses += 1
+                rows.append((w.key[3], {**(node or {}), **v}))
+            results = self.model(tenant, job).process_window(start, rows)
+            self.stats.steps += 1
+            for (w, _), (_, vector), s in zip(members, rows, results):
+                scored.append((w, s))
+                if s.is_anomaly:
+                    flagged.append((w, s, vector))
+        self.stats.scored += len(scored)
+        self.stats.anomalies += len(flagged)
+        now = time.time_ns()
+        self._store_scores(scored, now)
+        if flagged:
+            self._store_anomalies(flagged, now)
+        self.checkpoint()
+
+    def _store_scores(self, scored, now: int) -> None:
+        n = len(scored)
+        rows = {"tenant": [w.key[0] for w, _ in scored], "job": [w.key[1] for w, _ in scored],
+                "host": [w.key[2] for w, _ in scored], "rank": np.array([w.key[3] for w, _ in scored], dtype=np.int32),
+                "window_start": np.array([w.start_ns for w, _ in scored], dtype=np.int64),
+                "score": np.array([s.score for _, s in scored], dtype=np.float64),
+                "threshold": np.array([np.nan if s.threshold is None else s.threshold for _, s in scored]),
+                "is_anomaly": np.array([s.is_anomaly for _, s in scored], dtype=np.uint8),
+                "detectors": [list(s.detectors) for _, s in scored],
+                "warm": np.array([s.warm for _, s in scored], dtype=np.uint8),
+                "emitted_at": np.full(n, now, dtype=np.int64)}
+        ids = [f"{w.key}@{w.start_ns}" for w, _ in scored]
+        self.store.insert("scores", rows, dedupe_token=self.token("scores", ids))
+        if self.producer is not None:
+            by_job: dict[tuple[str, str], list[int]] = {}
+            for i, (w, _) in enumerate(scored):
+                by_job.setdefault(w.key[:2], []).append(i)
+            for (tenant, job), idx in by_job.items():
+                batch = scores_batch(self.cfg.host, [scored[i] for i in idx])
+                self.producer.produce(self.cfg.topic("scores"), key=f"{tenant}/{job}".encode(),
+                                      value=wire.encode(batch), headers=batch.kafka_headers())
+
+    def _store_anomalies(self, flagged, now: int) -> None:
+        anomalies = [anomaly_record(w, s, vector) for w, s, vector in flagged]
+        rows = {"tenant": [a["tenant"] for a in anomalies], "job": [a["job"] for a in anomalies],
+                "host": [a["host"] for a in anomalies], "rank": np.array([a["rank"] for a in anomalies], dtype=np.int32),
+                "window_start": np.array([a["window_start_ns"] for a in anomalies], dtype=np.int64),
+                "score": np.array([a["score"] for a in anomalies]),
+                "threshold": np.array([a["threshold"] for a in anomalies]),
+                "detectors": [a["detectors"] for a in anomalies], "contributions": [a["contributions"] for a in anomalies],
+                "peer_z": [a["peer_z"] for a in anomalies], "feature": [a["features"] for a in anomalies],
+                "emitted_at": np.full(len(anomalies), now, dtype=np.int64)}
+        ids = [f"{a['tenant']}/{a['job']}/{a['host']}/{a['rank']}@{a['window_start_ns']}" for a in anomalies]
+        self.store.insert("anomalies", rows, dedupe_token=self.token("anomalies", ids))
+        out = self.diagnoser.handle(anomalies, emitted_at_ns=now)
+        self.stats.diagnoses += len(out.diagnoses)
+        self.stats.unmatched += out.unmatched
+        if out.rejected:
+            log.warning("diagnosis rejected %d anomalies: %s", len(out.rejected), out.rejected[:3])
+        if out.diagnoses:
+            self.store.insert("diagnoses", out.columns, dedupe_token=self.token("diagnoses", ids))
+        if self.producer is not None:
+            for a in anomalies:
+                self.producer.produce(self.cfg.topic("anomalies"), key=f"{a['tenant']}/{a['job']}".encode(),
+                                      value=json.dumps(a).encode(), headers=[("fs-schema", b"json/1")])
+            for m in out.messages:
+                self.producer.produce(self.cfg.topic("diagnoses"), key=f"{m['tenant']}/{m['job']}".encode(),
+                                      value=json.dumps(m, default=float).encode(), headers=[("fs-schema", b"json/1")])
+
+
+def anomaly_record(w, s, vector: dict) -> dict:
+    """A flagged window as streams.diagnosis.Anomaly's fields (plain JSON types)."""
+    return {"tenant": w.key[0], "job": w.key[1], "host": w.key[2], "rank": int(w.key[3]),
+            "window_start_ns": int(w.start_ns), "score": float(s.score),
+            "threshold": float(s.threshold) if s.threshold is not None else float("nan"),
+            "detectors": list(s.detectors), "contributions": {k: float(v) for k, v in s.contributions.items()},
+            "peer_z": {k: float(v) for k, v in s.peer_z.items()},
+            "features": {k: float(v) for k, v in vector.items()}}
+
+
+def scores_batch(worker_host: str, scored) -> Batch:
+    cols = {"window_start_ns": np.array([w.start_ns for w, _ in scored], dtype="<i8"),
+            "tenant": StrColumn.of([w.key[0] for w, _ in scored]), "job": StrColumn.of([w.key[1] for w, _ in scored]),
+            "host": StrColumn.of([w.key[2] for w, _ in scored]),
+            "rank": np.array([w.key[3] for w, _ in scored], dtype="<i4"),
+            "score": np.array([s.score for _, s in scored], dtype="<f8"),
+            "threshold": np.array([np.nan if s.threshold is None else s.threshold for _, s in scored], dtype="<f8"),
+            "is_anomaly": np.array([s.is_anomaly for _, s in scored], dtype="<u1")}
+    return Batch("scores", worker_host, cols)
