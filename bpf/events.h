@@ -74,11 +74,10 @@ struct py_gc_stats {
 };
 
 /* ---- PyTorch ops (bpf/torch.bpf.c, producers/tracers/torch_ops.py) ----
- * One uprobe per op wrapper symbol; the op is the probed function's address. */
+ * One uprobe per op wrapper symbol; the op is the probe's BPF cookie. */
 struct torch_op_key {
     u32 pid;
-    u32 pad;
-    u64 ip;         /* bpf_get_func_ip: the wrapper's address in the process */
+    u32 op;         /* index into the tracer's op names (the attach cookie) */
 };
 
 struct torch_op_stats {
@@ -88,7 +87,7 @@ struct torch_op_stats {
 
 struct torch_frame {
     u64 ts;
-    u64 ip;
+    u64 op;
 };
 
 /* ---- GPU calls: CUDA runtime/driver and NCCL (bpf/cuda.bpf.c, bpf/nccl.bpf.c,

@@ -35,6 +35,7 @@ import os
 import re
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -68,14 +69,15 @@ def _uprobe_pmu_type() -> int:
         raise TracerUnavailable(f"this kernel has no uprobe PMU ({e}); USDT tracing needs uprobes") from e
 
 
-def attach_uprobe_fd(prog_fd: int, path: str, offset: int, pid: int, ref_ctr_offset: int = 0) -> int:
+def attach_uprobe_fd(prog_fd: int, path: str, offset: int, pid: int, ref_ctr_offset: int = 0,
+                     retprobe: bool = False) -> int:
     """One uprobe on `path`+`offset` in process `pid`, running `prog_fd`; close the fd to detach.
 
     With `ref_ctr_offset` (a USDT semaphore's file offset) the kernel keeps
     the process's semaphore raised while the probe is installed."""
     attr = ctypes.create_string_buffer(128)
     cpath = ctypes.create_string_buffer(path.encode())
-    struct.pack_into("<IIQ", attr, 0, _uprobe_pmu_type(), 128, ref_ctr_offset << 32)
+    struct.pack_into("<IIQ", attr, 0, _uprobe_pmu_type(), 128, ref_ctr_offset << 32 | retprobe)
     struct.pack_into("<QQ", attr, 56, ctypes.addressof(cpath), offset)  # config1, config2
     fd = _libc.syscall(_NR_PERF_EVENT_OPEN, attr, pid, -1, -1, _PERF_FLAG_FD_CLOEXEC)
     if fd < 0:
@@ -88,6 +90,47 @@ def attach_uprobe_fd(prog_fd: int, path: str, offset: int, pid: int, ref_ctr_off
         os.close(fd)
         raise
     return fd
+
+
+BPF_TRACE_UPROBE_MULTI, _BPF_LINK_CREATE, _NR_BPF = 48, 28, 321  # x86_64
+
+
+def attach_uprobe_multi(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid: int,
+                        retprobe: bool = False) -> int:
+    """One uprobe_multi link: `prog_fd` (loaded with expected attach type BPF_TRACE_UPROBE_MULTI) at every
+    file offset of `path` in process `pid`, each probe with its BPF cookie. Close the fd to detach.
+
+    Removing a uprobe waits for a kernel grace period (~0.1 s here); a link
+    removes all its probes with one wait, where single perf events took 16 s
+    for 126 probes."""
+    n = len(offsets)
+    c_path = ctypes.create_string_buffer(path.encode())
+    c_offsets = (ctypes.c_uint64 * n)(*offsets)
+    c_cookies = (ctypes.c_uint64 * n)(*cookies)
+    attr = ctypes.create_string_buffer(128)
+    struct.pack_into("<IIII", attr, 0, prog_fd, 0, BPF_TRACE_UPROBE_MULTI, 0)
+    struct.pack_into("<QQQQIII", attr, 16, ctypes.addressof(c_path), ctypes.addressof(c_offsets), 0,
+                     ctypes.addressof(c_cookies), n, 1 if retprobe else 0, pid)
+    fd = _libc.syscall(_NR_BPF, _BPF_LINK_CREATE, attr, 128)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"bpf(LINK_CREATE uprobe_multi, {n} probes in {path}, pid {pid}): {os.strerror(err)}")
+    return fd
+
+
+def close_all(fds) -> None:
+    """Close uprobe perf event fds, concurrently.
+
+    Each uprobe removal waits for an RCU grace period in the kernel (~0.1 s
+    here); closed one after another, 126 probes took 16 s. Concurrent closes
+    share grace periods."""
+    fds = list(fds)
+    if len(fds) <= 2:
+        for fd in fds:
+            os.close(fd)
+        return
+    with ThreadPoolExecutor(max_workers=min(len(fds), 64)) as pool:
+        list(pool.map(os.close, fds))
 
 
 def file_offset(path: str, vaddr: int) -> int:
@@ -381,8 +424,7 @@ class PythonTracer:
             fds.append(attach_uprobe_fd(bpf.load_func(fn.encode(), bpf.KPROBE).fd, path, off, pid, sem))
 
     def _detach(self, pid: int, family: str) -> None:
-        for fd in self._fds.pop((pid, family), ()):
-            os.close(fd)  # the kernel removes the probe and lowers the semaphore
+        close_all(self._fds.pop((pid, family), ()))  # the kernel removes the probes, lowers the semaphores
 
     def _detach_pid(self, pid: int) -> None:
         for fam in FAMILIES:

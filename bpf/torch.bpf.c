@@ -1,0 +1,78 @@
+/* PyTorch operators from uprobes on libtorch_python's per-op Python binding
+ * wrappers (torch::autograd::THPVariable_<op>, one function per op; see
+ * producers/tracers/torch_ops.py for why these symbols).
+ *
+ * All wrappers of a process are attached as one uprobe_multi link for entry
+ * and one for return (one kernel grace period to detach, not one per probe).
+ * Each probe's BPF cookie is its op's index, so one program serves every op
+ * and copies nothing. Entry and return pair through a small per-thread stack;
+ * counters are cumulative per (pid, op) and user space diffs them. */
+#include <uapi/linux/ptrace.h>
+#include "events.h"
+
+#define TORCH_STACK_MAX 8
+
+struct torch_stack {
+    u32 depth;
+    u32 pad;
+    struct torch_frame f[TORCH_STACK_MAX];
+};
+
+BPF_HASH(ops, struct torch_op_key, struct torch_op_stats, 8192);
+BPF_TABLE("lru_hash", u32, struct torch_stack, stacks, 4096);  /* per thread */
+BPF_HASH(lost, u32, u64, 1024);                                /* per pid */
+BPF_PERCPU_ARRAY(hits, u64, 1);
+
+int op_entry(struct pt_regs *ctx) {
+    int zero = 0;
+    u64 *h = hits.lookup(&zero);
+    if (h)
+        (*h)++;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = id, pid = id >> 32;
+    struct torch_op_key k = {.pid = pid, .op = bpf_get_attach_cookie(ctx)};
+    struct torch_op_stats init = {};
+    struct torch_op_stats *s = ops.lookup_or_try_init(&k, &init);
+    if (!s) {
+        lost.increment(pid);
+        return 0;
+    }
+    __sync_fetch_and_add(&s->calls, 1);
+    struct torch_stack empty = {};   /* 136 bytes: fits the BPF stack */
+    struct torch_stack *st = stacks.lookup_or_try_init(&tid, &empty);
+    if (!st)
+        return 0;
+    u32 d = st->depth;
+    if (d < TORCH_STACK_MAX) {
+        st->f[d].ts = bpf_ktime_get_ns();
+        st->f[d].op = k.op;
+    }
+    st->depth = d + 1;
+    return 0;
+}
+
+int op_return(struct pt_regs *ctx) {
+    int zero = 0;
+    u64 *h = hits.lookup(&zero);
+    if (h)
+        (*h)++;
+    u64 now = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = id;
+    struct torch_stack *st = stacks.lookup(&tid);
+    if (!st || st->depth == 0)
+        return 0;                  /* entered before the probes were attached */
+    u32 d = st->depth - 1;
+    st->depth = d;
+    if (d >= TORCH_STACK_MAX)
+        return 0;
+    if (st->f[d].op != bpf_get_attach_cookie(ctx)) {
+        st->depth = 0;             /* unbalanced: start over */
+        return 0;
+    }
+    struct torch_op_key k = {.pid = id >> 32, .op = st->f[d].op};
+    struct torch_op_stats *s = ops.lookup(&k);
+    if (s)
+        __sync_fetch_and_add(&s->ns, now - st->f[d].ts);
+    return 0;
+}
