@@ -4,6 +4,7 @@ Waits for a go-file (argv[1]) to appear, so the tracer can attach first;
 then calls leaf() LEAF_CALLS times (each through middle(), which calls it
 twice), runs gc.collect() GC_CALLS times, writes argv[1] + ".done" and
 sleeps (argv[2] seconds, default 30) so the tracer can sample before exit.
+With argv[2] == "loop" it repeats run() until killed.
 """
 import gc
 import os
@@ -35,6 +36,10 @@ if __name__ == "__main__":
     go = sys.argv[1]
     while not os.path.exists(go):
         time.sleep(0.01)
+    if sys.argv[2:3] == ["loop"]:  # until killed
+        while True:
+            run()
+            time.sleep(0.01)
     run()
     open(go + ".done", "w").close()
     time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 30)
