@@ -7,6 +7,8 @@ first few names in ``ignored_names``) so the loss is visible, never silent.
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 IGNORED_NAMES_KEPT = 16
@@ -22,6 +24,7 @@ class FeatureIndex:
         self.nonfinite_values = 0
         self.ignored_names: list[str] = []
         self._layouts: dict[tuple[str, ...], np.ndarray] = {}
+        self._name_array = np.zeros(0, dtype=object)
 
     @property
     def size(self) -> int:
@@ -55,25 +58,55 @@ class FeatureIndex:
             self._layouts[keys] = cols
         return cols
 
+    def name_array(self) -> np.ndarray:
+        """The names as an object array (for fancy indexing); rebuilt only when names were added."""
+        if self._name_array.size != len(self.names):
+            self._name_array = np.array(self.names, dtype=object)
+        return self._name_array
+
     def matrix(self, rows: list[tuple[int, dict[str, float]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return (ranks, X, observed): X is (n, D) with NaN where masked.
 
         New names grow D first. A non-finite value counts as masked (and is
         counted in ``nonfinite_values``): it carries no measurement.
+
+        Rows are grouped by key layout (the ranks of a job share one), and each
+        group's values are converted in one call and placed with one scatter.
+        Layouts are resolved in the order they first appear, so names get the
+        same dimensions as a row-by-row pass; a layout with ignored names is
+        resolved again for each of its rows, so every ignored value is counted.
         """
-        placed = []
+        groups: dict[tuple[str, ...], list[int]] = {}
         for i, (_, feats) in enumerate(rows):
-            cols = self._columns(tuple(feats))
-            vals = np.fromiter(feats.values(), dtype=float, count=len(feats))
-            if cols.size and cols.min() < 0:
+            keys = tuple(feats)
+            g = groups.get(keys)
+            if g is None:
+                groups[keys] = [i]
+            else:
+                g.append(i)
+        placed = []
+        n_set = 0
+        for keys, members in groups.items():
+            cols = self._columns(keys)
+            ignored = cols.size > 0 and cols.min() < 0
+            if ignored:
+                for _ in members[1:]:
+                    self._columns(keys)      # counts this row's ignored values
+            n_keys = len(keys)
+            vals = np.fromiter(chain.from_iterable(rows[i][1].values() for i in members), dtype=float,
+                               count=n_keys * len(members)).reshape(len(members), n_keys)
+            if ignored:
                 keep = cols >= 0
-                cols, vals = cols[keep], vals[keep]
-            placed.append((i, cols, vals))
+                cols, vals = cols[keep], vals[:, keep]
+            placed.append((members, cols, vals))
+            n_set += vals.size
         ranks = np.fromiter((r for r, _ in rows), dtype=np.int64, count=len(rows))
         X = np.full((len(rows), self.size), np.nan)
-        for i, cols, vals in placed:
-            X[i, cols] = vals
-        n_set = sum(v.size for _, _, v in placed)
+        for members, cols, vals in placed:
+            if len(members) == len(rows) and cols.size == self.size:
+                X[:, cols] = vals            # one layout for every row: a column permutation
+            else:
+                X[np.asarray(members)[:, None], cols] = vals
         finite = np.isfinite(X)
         self.nonfinite_values += n_set - int(finite.sum())
         X[~finite] = np.nan

@@ -31,6 +31,7 @@ from streams.model.scaling import MaskedStandardizer
 from streams.model.threshold import DSpot
 
 SCORED_DETECTORS = ("gmm", "mahalanobis", "hst")
+OUTPUT_ORDER = ("gmm", "peer", "hst", "mahalanobis")   # WindowScore.detectors order
 
 
 class JobModel:
@@ -71,18 +72,26 @@ class JobModel:
             self.hst.grow(d)
 
     def _top(self, values: np.ndarray, present: np.ndarray, by: np.ndarray) -> list[dict[str, float]]:
-        """Per row: the top_k present features by ``by`` (descending), as name -> value."""
+        """Per row: the top_k present features by ``by`` (descending), as name -> value.
+
+        Selection and order are numpy's (argpartition, then argsort of the k);
+        names and values are gathered for all rows at once and each row's dict
+        is built by zip, the Python work left being one small dict per row.
+        """
+        n = values.shape[0]
         k = min(self.config.top_k, values.shape[1])
         if k == 0:
-            return [{} for _ in range(values.shape[0])]
+            return [{} for _ in range(n)]
         key = np.where(present, by, -np.inf)
+        row = np.arange(n)[:, None]
         idx = np.argpartition(-key, k - 1, axis=1)[:, :k]
-        order = np.take_along_axis(key, idx, axis=1).argsort(axis=1)[:, ::-1]
-        idx = np.take_along_axis(idx, order, axis=1)
-        names = self.index.names
-        out = []
-        for r, cols in enumerate(idx.tolist()):
-            out.append({names[j]: float(values[r, j]) for j in cols if present[r, j]})
+        idx = idx[row, key[row, idx].argsort(axis=1)[:, ::-1]]
+        names = self.index.name_array()[idx].tolist()
+        vals = values[row, idx].tolist()
+        keep = present[row, idx]
+        out = [dict(zip(nr, vr)) for nr, vr in zip(names, vals)]
+        for r in np.flatnonzero(~keep.all(axis=1)).tolist():   # rows with fewer than k present
+            out[r] = {nm: v for nm, v, ok in zip(names[r], vals[r], keep[r].tolist()) if ok}
         return out
 
     # -------------------------------------------------------------- public
@@ -124,7 +133,11 @@ class JobModel:
                 f[scorable] = self.thresholds[name].step(s[scorable], learn=not replay)
                 fired[name] = f
             fired["peer"] = np.abs(pz).max(axis=1, initial=0.0) >= c.peer_z_threshold
-            anomaly = np.array([self.rule.decide({d for d, f in fired.items() if f[i]}) for i in range(n)])
+            votes = np.zeros(n, np.int64)      # Rule.decide, for all rows at once
+            for d in self.rule.names:
+                if d in fired:
+                    votes += fired[d]
+            anomaly = votes >= self.rule.k
         else:
             anomaly = np.zeros(n, bool)
             if not replay and self.windows > c.warmup_windows // 2:
@@ -140,11 +153,15 @@ class JobModel:
 
         top_c = self._top(contrib, usable, contrib)
         top_z = self._top(pz, M & (pz != 0), np.abs(pz))
-        return [WindowScore(rank=int(ranks[i]), score=float(sc.nll[i]), threshold=gmm_threshold,
-                            is_anomaly=bool(anomaly[i]),
-                            detectors=[d for d in ("gmm", "peer", "hst", "mahalanobis") if d in fired and fired[d][i]],
-                            contributions=top_c[i], peer_z=top_z[i], warm=warm)
-                for i in range(n)]
+        detectors: list[list[str]] = [[] for _ in range(n)]
+        for d in OUTPUT_ORDER:
+            if d in fired:
+                for i in np.flatnonzero(fired[d]).tolist():
+                    detectors[i].append(d)
+        return [WindowScore(rank=r, score=s, threshold=gmm_threshold, is_anomaly=a, detectors=det,
+                            contributions=tc, peer_z=tz, warm=warm)
+                for r, s, a, det, tc, tz in zip(ranks.tolist(), sc.nll.tolist(), anomaly.tolist(),
+                                                detectors, top_c, top_z)]
 
     def _learn(self, X, M, Z, usable, sc, anomaly) -> None:
         c = self.config
