@@ -32,3 +32,10 @@ cudaError_t cudaFreeHost(void *p) { (void)p; return STUB_RC("cudaFreeHost"); }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { (void)s; return STUB_RC("cudaStreamSynchronize"); }
 cudaError_t cudaDeviceSynchronize(void) { return STUB_RC("cudaDeviceSynchronize"); }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) { (void)e; return STUB_RC("cudaEventSynchronize"); }
+
+/* Not a CUDA symbol: the runtime control's `knob NAME=VALUE` for the workload
+ * (stub_control.h), e.g. how many bytes a leaking step allocates and keeps. */
+long gpu_stub_knob(const char *name, long dflt) {
+    stub_poll();
+    return stub_file.knob[0] ? stub_lookup(stub_file.knob, name, dflt) : dflt;
+}

@@ -9,6 +9,17 @@ typedef struct ncclComm *ncclComm_t;
 typedef void *cudaStream_t;
 typedef struct { char internal[128]; } ncclUniqueId;
 
+/* Not an NCCL symbol: a workload may register a function that moves a
+ * collective's bytes for real (the GPU stand-in's TCP ring). A collective
+ * then returns only after its delay and the hook, as a blocking collective
+ * would; its return code is the hook's when the stub itself succeeded. */
+typedef int (*gpu_stub_collective_fn)(const char *api, size_t count, int datatype, void *arg);
+static gpu_stub_collective_fn stub_hook;
+static void *stub_hook_arg;
+void gpu_stub_set_collective_hook(gpu_stub_collective_fn fn, void *arg) { stub_hook = fn; stub_hook_arg = arg; }
+#define STUB_COLL(name, count, dt) ({ int rc_ = STUB_RC(name); \
+    (rc_ == 0 && stub_hook) ? stub_hook(name, count, dt, stub_hook_arg) : rc_; })
+
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
     (void)commId; (void)rank; (void)nranks;
     STUB_CALL("ncclCommInitRank");
@@ -16,19 +27,19 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
     return 0;
 }
 ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-    (void)s; (void)r; (void)count; (void)dt; (void)op; (void)comm; (void)stream; return STUB_RC("ncclAllReduce");
+    (void)s; (void)r; (void)count; (void)dt; (void)op; (void)comm; (void)stream; return STUB_COLL("ncclAllReduce", count, dt);
 }
 ncclResult_t ncclReduceScatter(const void *s, void *r, size_t recvcount, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-    (void)s; (void)r; (void)recvcount; (void)dt; (void)op; (void)comm; (void)stream; return STUB_RC("ncclReduceScatter");
+    (void)s; (void)r; (void)recvcount; (void)dt; (void)op; (void)comm; (void)stream; return STUB_COLL("ncclReduceScatter", recvcount, dt);
 }
 ncclResult_t ncclAllGather(const void *s, void *r, size_t sendcount, ncclDataType_t dt, ncclComm_t comm, cudaStream_t stream) {
-    (void)s; (void)r; (void)sendcount; (void)dt; (void)comm; (void)stream; return STUB_RC("ncclAllGather");
+    (void)s; (void)r; (void)sendcount; (void)dt; (void)comm; (void)stream; return STUB_COLL("ncclAllGather", sendcount, dt);
 }
 ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, ncclDataType_t dt, int root, ncclComm_t comm, cudaStream_t stream) {
-    (void)s; (void)r; (void)count; (void)dt; (void)root; (void)comm; (void)stream; return STUB_RC("ncclBroadcast");
+    (void)s; (void)r; (void)count; (void)dt; (void)root; (void)comm; (void)stream; return STUB_COLL("ncclBroadcast", count, dt);
 }
 ncclResult_t ncclReduce(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
-    (void)s; (void)r; (void)count; (void)dt; (void)op; (void)root; (void)comm; (void)stream; return STUB_RC("ncclReduce");
+    (void)s; (void)r; (void)count; (void)dt; (void)op; (void)root; (void)comm; (void)stream; return STUB_COLL("ncclReduce", count, dt);
 }
 ncclResult_t ncclSend(const void *s, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm, cudaStream_t stream) {
     (void)s; (void)count; (void)dt; (void)peer; (void)comm; (void)stream; return STUB_RC("ncclSend");
