@@ -69,7 +69,9 @@ class Config:
     # functions, torch ops) are duty-cycled so that probe hits cost at most
     # trace_budget of the traced processes' CPU time.
     trace_budget: float = 0.01
-    trace_duty_period_s: float = 2.0
+    # Attaching and detaching probes costs the traced process too (measured: toggling torch's op
+    # probes every second cost far more than their hits), so periods are long: 1–2% on of 30 s.
+    trace_duty_period_s: float = 30.0
     trace_hit_cost_ns: float | None = None  # None: measured at start (calibration)
     trace_python_prefixes: tuple[str, ...] = ()  # module/file prefixes to trace; empty: all
 
