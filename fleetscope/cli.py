@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_query)
     from fleetscope.kb_cli import register as register_diagnosis
     register_diagnosis(sub)
+    from fleetscope.bench_cli import register as register_bench
+    register_bench(sub)
+    from fleetscope.demo import register as register_demo
+    register_demo(sub)
     return p
 
 

@@ -28,9 +28,12 @@ DEBIAN_PYTHON = "/usr/bin/python3.11"
 
 
 def venv_site_packages() -> str:
-    """The site-packages of the interpreter running this code (the project venv)."""
-    import torch  # the venv is where torch lives
-    return str(Path(torch.__file__).resolve().parents[1])
+    """The site-packages of the interpreter running this code (the project venv).
+
+    Found without importing torch: a process that maps libtorch is a tracing target
+    (trace_auto), and the evaluation runner must not trace itself."""
+    import sysconfig
+    return sysconfig.get_paths()["purelib"]
 
 
 def free_port() -> int:

@@ -1,0 +1,79 @@
+"""One short fault scenario end to end: the real embedded stack (tansu, a streams worker
+process with chDB, the agent with real eBPF tracers), three real DDP ranks under torchrun,
+and a real CPU quota on one rank. It must be detected on that rank, and nothing may be left
+behind (fault cgroup, workload, stack). Short windows and warm-up keep it under 2 minutes."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.eval.cgroups import PARENT, CgroupUnavailable, controller_root
+
+SCENARIO = """
+name: ci_straggler
+description: a short straggler for CI
+workload: ddp_cpu
+ranks: 3
+duration_s: 24
+window_s: 0.5
+requires: [root, cgroup_cpu]
+fault:
+  kind: cpu_quota
+  rank: 2
+  start_s: 6
+  duration_s: 12
+  strength: 0.85
+  params: {cpus: 1, period_us: 100000}
+expect:
+  kb_entry: straggler_rank
+  ranks: [2]
+"""
+
+
+def _cpu_cgroup_ok() -> bool:
+    try:
+        controller_root("cpu")
+        return True
+    except CgroupUnavailable:
+        return False
+
+
+def _our_processes(job: str) -> list[int]:
+    """Processes still carrying this run's job id (torchrun's rdzv id) in their environment."""
+    from benchmarks.workloads.launch import environ_of
+    left = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and environ_of(int(d)).get("TORCHELASTIC_RUN_ID") == job:
+            left.append(int(d))
+    return left
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: eBPF tracing and a cgroup CPU quota")
+@pytest.mark.skipif(not _cpu_cgroup_ok(), reason="no cgroup hierarchy with the cpu controller")
+def test_short_straggler_scenario_is_detected_end_to_end(tmp_path):
+    from fleetscope.bench_cli import run_in_child
+    path = tmp_path / "ci_straggler.yaml"
+    path.write_text(SCENARIO)
+    opts = {"out_dir": str(tmp_path / "out"), "warmup_windows": 12, "work_dir": str(tmp_path / "work")}
+    t0 = time.monotonic()
+    result = run_in_child(path, opts, tmp_path / "run.log")
+    wall = time.monotonic() - t0
+    assert "skipped" not in result, result
+    s = result["score"]
+    assert s["detection_delay_windows"] is not None, (f"the straggler was never flagged: {json.dumps(s)}\n"
+                                                     f"{(tmp_path / 'run.log').read_text()[-3000:]}")
+    assert s["detection_delay_windows"] <= 6, s  # within 3 s of the quota starting
+    assert s["recall"] >= 0.5 and s["precision"] >= 0.5, s
+    assert result["fault"]["injected"]["fault_on"] == pytest.approx(6.0, abs=1.0)
+    assert Path(result["plot"]).stat().st_size > 10_000
+    # nothing left behind: the rank processes, the stack's data dir holds no live endpoint, the cgroup is gone
+    assert _our_processes(result["job"]) == []
+    from fleetscope.store import endpoint_alive
+    assert not endpoint_alive(tmp_path / "work" / result["job"]), "the streams worker still serves its store"
+    root, version = controller_root("cpu")
+    assert not list(root.rglob(f"{PARENT}/cpu-quota-*")), "the fault's cgroup was not removed"
+    assert wall < 120, f"took {wall:.0f} s"
