@@ -1,0 +1,189 @@
+"""Scoring in the stream worker, end to end on the real chDB engine: traced rows of a
+6-rank job -> windows -> features -> JobModel -> scores / anomalies / diagnoses /
+model_state, and a second worker that restores the checkpoint.
+
+No broker (producer=None; the processor is driven through handle/flush as in
+tests/test_processor.py). No GPU here: the CUDA and NCCL rows are the rows the
+cuda/nccl tracers emit (metric names, devices, intervals, sample_frac), written
+by this test, not traced from a device.
+
+The job: ranks 0-2 on node-a and 3-5 on node-b, one cuda and one nccl batch per
+rank per 0.5 s tick, plus each node's host counters. Healthy ranks spend ~30% of
+the window in AllReduce and ~10% in cudaStreamSynchronize. From window ONSET
+rank 4 is a straggler: its GPU work takes longer (sync share 0.40), it reaches
+the collectives last so it hardly waits in them (NCCL share 0.06, per-call
+latency down with it), while its peers wait a little longer (NCCL share 0.33).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fleetscope.config import Config
+from fleetscope.schema import SOURCE_COLUMNS, node_identity, validate
+from fleetscope.store import open_store
+from fleetscope.wire import Batch, StrColumn, encode
+from streams.processor import MessageRef, StreamProcessor
+
+SEC = 10**9
+TICK = SEC // 2
+T0 = 1_800_000_000 * SEC
+RANKS = 6
+STRAGGLER = 4
+WARMUP = 10
+ONSET = 25            # first window of the fault
+HOST_OF = {r: "node-a" if r < 3 else "node-b" for r in range(RANKS)}
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def rank_batch(source: str, rank: int, ts: int, rows) -> Batch:
+    n = len(rows)
+    metric, device, value, interval = zip(*rows)
+    cols = {"ts_ns": np.full(n, ts, "<i8"), "tenant": StrColumn.constant("acme", n),
+            "job": StrColumn.constant("train", n), "rank": np.full(n, rank, "<i4"),
+            "pid": np.full(n, 1000 + rank, "<i4"), "gpu": np.full(n, rank % 3, "<i2"),
+            "metric": StrColumn.of(metric), "device": StrColumn.of(device), "value": np.array(value, "<f8"),
+            "interval_ns": np.array(interval, "<i8"), "sample_frac": np.ones(n, "<f8")}
+    batch = Batch(source, HOST_OF[rank], {k: cols[k] for k in SOURCE_COLUMNS[source]}, created_ns=ts)
+    validate(batch)
+    return batch
+
+
+def host_batch(host: str, ts: int, rng) -> Batch:
+    names = ("cpu.user", "cpu.system", "cpu.idle", "cpu.steal", "mem.total", "mem.available")
+    busy = 0.25 * (1 + 0.03 * rng.standard_normal())
+    vals = (busy, 0.05, 0.2, 0.0, 1000.0, 600.0)
+    n = len(names)
+    cols = {"ts_ns": np.full(n, ts, "<i8"), **node_identity(host, n), "metric": StrColumn.of(names),
+            "device": StrColumn.constant("all", n), "value": np.array(vals, "<f8"),
+            "interval_ns": np.array([TICK] * 4 + [0, 0], "<i8")}
+    return Batch("host", host, cols, created_ns=ts)
+
+
+def tick_batches(tick: int, rng) -> list[Batch]:
+    """Every batch of one 0.5 s tick: cuda + nccl per rank, host per node."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    out = []
+    for r in range(RANKS):
+        noise = 1 + 0.03 * rng.standard_normal(4)
+        straggling = r == STRAGGLER and window >= ONSET
+        nccl_frac = 0.06 if straggling else (0.33 if window >= ONSET else 0.30)
+        sync_frac = 0.40 if straggling else 0.10
+        calls = 20
+        dur = nccl_frac * TICK * noise[0]
+        p50 = dur / calls * noise[1]
+        out.append(rank_batch("nccl", r, ts, [
+            ("nccl.calls", "AllReduce", calls, TICK), ("nccl.bytes", "AllReduce", calls * 64e6, TICK),
+            ("nccl.dur_ns", "AllReduce", dur, TICK), ("nccl.lat_p50_ns", "AllReduce", p50, 0),
+            ("nccl.lat_p99_ns", "AllReduce", 1.5 * p50 * noise[2], 0)]))
+        out.append(rank_batch("cuda", r, ts, [
+            ("cuda.calls", "cudaLaunchKernel", 500 * noise[3], TICK), ("cuda.calls", "cudaStreamSynchronize", calls, TICK),
+            ("cuda.dur_ns", "cudaStreamSynchronize", sync_frac * TICK * noise[2], TICK)]))
+    out += [host_batch(h, ts, rng) for h in ("node-a", "node-b")]
+    return out
+
+
+@pytest.fixture()
+def store(tmp_path):
+    s = open_store(tmp_path, clickhouse_url=None, prefer_endpoint=False)
+    s.migrate()
+    yield s
+    s.close()
+
+
+def processor(store, tmp_path, clock) -> StreamProcessor:
+    cfg = Config(data_dir=tmp_path, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=30,
+                 warmup_windows=WARMUP, model_checkpoint_s=0)
+    return StreamProcessor(cfg, store, producer=None, clock=clock)
+
+
+def run(proc, ticks, rng, offset: list[int]) -> None:
+    for tick in ticks:
+        for batch in tick_batches(tick, rng):
+            proc.handle(encode(batch), None, MessageRef("fleetscope.raw.x", 0, offset[0]))
+            offset[0] += 1
+        proc.flush()
+
+
+def window_of(ms: int) -> int:
+    """toUnixTimestamp64Milli(window_start) -> window index."""
+    return (ms * 10**6 - T0) // SEC
+
+
+def q(store, sql):
+    return store.query(sql).rows
+
+
+def test_a_straggler_is_scored_flagged_diagnosed_and_the_model_survives_a_restart(store, tmp_path):
+    rng, clock, offset = np.random.default_rng(5), FakeClock(), [0]
+    first = processor(store, tmp_path, clock)
+    run(first, range(2 * 40), rng, offset)           # windows 0..39 sent; the last stays open (lateness)
+    snap = first.snapshot()
+    assert snap["model_models"] == 1 and snap["model_restored_models"] == 0
+    assert snap["model_node_join_misses"] == 0      # every rank window got its node's host features
+
+    # every rank-window that has a feature row was scored, once
+    feats = q(store, "SELECT count() FROM features FINAL WHERE tenant = 'acme'")[0][0]
+    scored = q(store, "SELECT count(), uniqExact(rank, window_start), uniqExact(rank) FROM scores FINAL")[0]
+    assert feats >= RANKS * 38 and scored == (feats, feats, RANKS)
+    cold = q(store, "SELECT count() FROM scores FINAL WHERE warm = 0")[0][0]
+    assert cold == RANKS * WARMUP     # no thresholds (and no flags) during warm-up
+
+    flagged = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), detectors FROM anomalies FINAL ORDER BY window_start, rank")
+    faulty = [window_of(ws) for r, ws, _ in flagged if r == STRAGGLER and window_of(ws) >= ONSET]
+    assert faulty and faulty[0] <= ONSET + 2, flagged                      # flagged within 3 windows
+    assert len(faulty) >= 0.9 * (39 - ONSET), faulty                       # and while it lasts (38 closed)
+    # stationary phase (every rank healthy): at most 2% of the warm rank-windows flagged
+    before = [(r, window_of(ws)) for r, ws, _ in flagged if window_of(ws) < ONSET]
+    assert len(before) <= 0.02 * RANKS * (ONSET - WARMUP), before
+    # after the onset the healthy ranks' own NCCL share steps up (0.30 -> 0.33, they wait for
+    # rank 4): the mixture flags that job-wide step for at most the first 3 fault windows, then
+    # it is learned; from then on only the straggler is flagged
+    healthy_after = [window_of(ws) for r, ws, _ in flagged if r != STRAGGLER and window_of(ws) >= ONSET]
+    assert all(w <= ONSET + 2 for w in healthy_after), healthy_after
+    assert all("peer" not in d for r, _, d in flagged if r != STRAGGLER)  # peers never blame a healthy rank
+
+    # the straggler's diagnosis: what the knowledge base makes of it
+    diag = q(store, f"SELECT toUnixTimestamp64Milli(window_start), kb_entry, confidence, similarity, rules_held, "
+                    f"evidence['peer_z.nccl_time_frac'] FROM diagnoses FINAL WHERE rank = {STRAGGLER} "
+                    f"ORDER BY window_start, confidence DESC")
+    best = {}
+    for ms, entry, conf, sim, held, z in diag:
+        best.setdefault(window_of(ms), (entry, conf, sim, held, z))
+    assert set(faulty) <= set(best), "every flagged window of the straggler has a diagnoses row"
+    # straggler_rank matches each fault window on its rules: rank 4 waits far less in the
+    # collectives than its peers (peer z of nccl_time_frac or nccl_lat_p50_ns <= -3; the anomaly
+    # carries the top-5 peer z only, and in some windows one of the two is not among them)
+    for w in faulty:
+        entry, conf, sim, held, z = best[w]
+        assert entry == "straggler_rank", (w, best[w])
+        assert held and set(held) <= {"peer_z.nccl_lat_p50_ns <= -3", "peer_z.nccl_time_frac <= -3"}, best[w]
+        if "peer_z.nccl_time_frac <= -3" in held:
+            assert z <= -3      # the evidence carries the z that made the rule hold
+        # confidence = 0.5 * (rules held / 2) + 0.5 * max(0, fingerprint similarity). Today the
+        # similarity is negative: the entry's pattern says nccl goes *down*, but the nccl subsystem's
+        # heaviest feature is nccl_algbw_gbps, which goes *up* for a straggler (same bytes moved in
+        # the short time it spends inside the collective), so the window's nccl share is signed +.
+        assert conf == pytest.approx(0.25 * len(held) + 0.5 * max(0.0, sim), abs=1e-5)
+
+    # the checkpoint is in the store; a new worker restores it and keeps scoring, already warm
+    saved = q(store, "SELECT count(), toUnixTimestamp64Milli(max(last_window)) FROM model_state FINAL WHERE job = 'train'")[0]
+    assert saved[0] == 1 and window_of(saved[1]) >= 37
+    second = processor(store, tmp_path, FakeClock())
+    run(second, range(2 * 40, 2 * 46), rng, offset)
+    snap2 = second.snapshot()
+    assert snap2["model_restored_models"] == 1 and snap2["model_models"] == 1
+    after = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), warm, is_anomaly FROM scores FINAL ORDER BY window_start, rank")
+    new = [(r, window_of(ws), warm, a) for r, ws, warm, a in after if window_of(ws) >= 40]
+    assert len(new) >= RANKS * 4
+    assert all(warm == 1 for _, _, warm, _ in new), new      # no fresh warm-up
+    assert all(a == 1 for r, _, _, a in new if r == STRAGGLER), new
+    assert sum(a for r, _, _, a in new if r != STRAGGLER) <= 1, new
