@@ -9,7 +9,7 @@
 struct offcpu_start {
     u64 ts;
     u32 tgid;
-    u32 pad;
+    u32 preempted;  /* left while still runnable: waiting for a CPU, not for I/O or a lock */
 };
 
 /* One TCP connection. Addresses are raw network-order bytes; IPv4 uses the

@@ -12,6 +12,7 @@ BPF_HASH(targets, u32, u8, 1024);
 BPF_TABLE("lru_hash", u32, struct offcpu_start, start, 16384);
 BPF_HASH(offcpu_ns, u32, u64, 1024);      /* per tgid, cumulative */
 BPF_HASH(switches, u32, u64, 1024);       /* per tgid switch-outs, cumulative */
+BPF_HASH(runq_ns, u32, u64, 1024);        /* per tgid: the part of offcpu_ns spent runnable, waiting for a CPU */
 /* Per connection: tcp_retransmit_skb fires in softirq (timer) context, where
  * the current task is unrelated to the socket's owner. */
 BPF_TABLE("lru_hash", struct tcp_conn, u64, retransmits, 10240);
@@ -23,7 +24,8 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     u32 prev = args->prev_pid;
     if (prev != 0 && targets.lookup(&tgid)) {
-        struct offcpu_start s = {.ts = now, .tgid = tgid};
+        /* Preempted tasks report TASK_RUNNING (0) or, since 4.14, TASK_REPORT_MAX (0x100). */
+        struct offcpu_start s = {.ts = now, .tgid = tgid, .preempted = (args->prev_state & 0xff) == 0};
         start.update(&prev, &s);
         switches.increment(tgid);
     }
@@ -33,10 +35,14 @@ TRACEPOINT_PROBE(sched, sched_switch) {
         return 0;
     u32 owner = s->tgid;
     u64 delta = now - s->ts;
+    u32 preempted = s->preempted;
     start.delete(&next);
     /* Re-check: the process may have been untraced while this thread slept. */
-    if (targets.lookup(&owner))
+    if (targets.lookup(&owner)) {
         offcpu_ns.increment(owner, delta);
+        if (preempted)
+            runq_ns.increment(owner, delta);
+    }
     return 0;
 }
 

@@ -23,6 +23,7 @@ def kernel_features(w: Window) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for metric, name, scale in (("kernel.offcpu_ns", "offcpu_threads", 1e-9),
+                                ("kernel.runq_wait_ns", "runq_wait_threads", 1e-9),
                                 ("kernel.ctx_switches", "ctx_switches_per_s", 1.0),
                                 ("kernel.tcp_retransmits", "tcp_retransmits_per_s", 1.0),
                                 ("kernel.irq_count", "irq_traced_per_s", 1.0)):

@@ -61,12 +61,13 @@ class KernelTracer:
                                     f"at /lib/modules/{os.uname().release}/build (install.sh links them)") from e
         self._targets = self.bpf[b"targets"]
         self._offcpu, self._switches = self.bpf[b"offcpu_ns"], self.bpf[b"switches"]
+        self._runq = self.bpf[b"runq_ns"]
         self._retrans, self._irqs = self.bpf[b"retransmits"], self.bpf[b"irqs"]
         from bcc.utils import get_possible_cpus
         self._cpus = get_possible_cpus()  # per-CPU values come in this order
         self._last_ns = time.time_ns()
         # Previous cumulative values, per map, to diff against.
-        self._prev: dict[str, dict] = {"offcpu": {}, "switches": {}, "tcp": {}, "irq": {}}
+        self._prev: dict[str, dict] = {"offcpu": {}, "runq": {}, "switches": {}, "tcp": {}, "irq": {}}
         self._prev["irq"] = self._read_irqs()
         self.pids: set[int] = set()
         for pid in pids:
@@ -80,12 +81,13 @@ class KernelTracer:
     def remove_pid(self, pid: int) -> None:
         pid = int(pid)
         self.pids.discard(pid)
-        for table in (self._targets, self._offcpu, self._switches):
+        for table in (self._targets, self._offcpu, self._runq, self._switches):
             try:
                 del table[table.Key(pid)]
             except KeyError:
                 pass
         self._prev["offcpu"].pop(pid, None)
+        self._prev["runq"].pop(pid, None)
         self._prev["switches"].pop(pid, None)
 
     def sample(self, now_ns: int | None = None) -> Batch | None:
@@ -95,6 +97,7 @@ class KernelTracer:
         self._last_ns = now_ns
         rows: list[tuple] = []  # (metric, device, value, pid, identity-or-None)
         for metric, name, table in (("kernel.offcpu_ns", "offcpu", self._offcpu),
+                                    ("kernel.runq_wait_ns", "runq", self._runq),
                                     ("kernel.ctx_switches", "switches", self._switches)):
             current = {k.value: v.value for k, v in table.items()}
             for pid, delta in self._diff(name, current).items():

@@ -29,6 +29,7 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("context_switches_per_s", "cpu"),
     ("ctx_switches_per_s", "cpu"),
     ("offcpu_threads", "cpu"),
+    ("runq_wait_threads", "cpu"),
     # host memory: NUMA placement, huge pages, faults
     ("mem_used_frac", "host_memory"),
     ("thp_coverage_frac", "host_memory"),
