@@ -27,7 +27,8 @@
  * without counting that step or an error.
  *
  * Prints "loaded" after dlopen and the ring are up; when GPU_STANDIN_GO_FILE is set,
- * waits for that file before the first step. SIGTERM/SIGINT end the run after the
+ * waits for that file before the set-up calls (ncclCommInitRank, two cudaMalloc) and the
+ * first step, so a tracer attached in between sees the whole job. SIGTERM/SIGINT end the run after the
  * current step. At the end prints one JSON line (also written to
  * $FLEETSCOPE_WORKLOAD_RESULT_DIR/rank<RANK>.json when set). */
 #include <arpa/inet.h>
@@ -144,16 +145,18 @@ static int exchange(struct ring *r, const char *out, size_t nout, char *in, size
     size_t sent = 0, got = 0;
     while (sent < nout || got < nin) {
         struct pollfd p[2] = {{r->next_fd, sent < nout ? POLLOUT : 0, 0}, {r->prev_fd, got < nin ? POLLIN : 0, 0}};
-        if (poll(p, 2, 60000) <= 0) { fprintf(stderr, "gpu_standin_rank: ring stalled 60 s\n"); return 6; }
+        int ready = poll(p, 2, 60000);
+        if (ready < 0 && errno == EINTR) continue;  /* SIGTERM: finish this step first */
+        if (ready <= 0) { fprintf(stderr, "gpu_standin_rank: ring stalled 60 s\n"); return 6; }
         if (p[0].revents & (POLLOUT | POLLERR | POLLHUP)) {
             ssize_t n = send(r->next_fd, out + sent, nout - sent, MSG_NOSIGNAL);
-            if (n < 0 && errno == EPIPE) { r->closed = 1; return 6; }
+            if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) { r->closed = 1; return 6; }
             if (n < 0 && errno != EAGAIN) { perror("gpu_standin_rank: ring send"); return 6; }
             if (n > 0) sent += n;
         }
         if (p[1].revents & (POLLIN | POLLERR | POLLHUP)) {
             ssize_t n = recv(r->prev_fd, in + got, nin - got, 0);
-            if (n == 0) { r->closed = 1; return 6; }  /* the previous rank ended its run */
+            if (n == 0 || (n < 0 && errno == ECONNRESET)) { r->closed = 1; return 6; }  /* it ended its run */
             if (n < 0 && errno != EAGAIN) { perror("gpu_standin_rank: ring recv"); return 6; }
             if (n > 0) got += n;
         }
@@ -224,16 +227,15 @@ int main(int argc, char **argv) {
     }
     set_hook(ring_allreduce, &ring);
 
-    void *comm = 0, *d_in = 0, *d_grad = 0;
-    ncclUniqueId id;
-    memset(&id, 0x42, sizeof id);
-    if (ncclCommInitRank(&comm, ring.world, id, ring.rank)) { fprintf(stderr, "gpu_standin_rank: ncclCommInitRank failed\n"); return 4; }
-    cudaMalloc(&d_in, batch_bytes);
-    cudaMalloc(&d_grad, grad_bytes);
     printf("loaded\n");
     fflush(stdout);
     const char *go = getenv("GPU_STANDIN_GO_FILE");
     while (go && access(go, F_OK) != 0 && !stopping) usleep(10000);
+    void *comm = 0, *d_in = 0, *d_grad = 0;                 /* set-up, as a job starts */
+    ncclUniqueId id;
+    memset(&id, 0x42, sizeof id);
+    if (ncclCommInitRank(&comm, ring.world, id, ring.rank)) { fprintf(stderr, "gpu_standin_rank: ncclCommInitRank failed\n"); return 4; }
+    if (cudaMalloc(&d_in, batch_bytes) || cudaMalloc(&d_grad, grad_bytes)) { fprintf(stderr, "gpu_standin_rank: cudaMalloc failed\n"); return 4; }
 
     long start = now_ns(), end = start + (long)(duration_s * 1e9), memcpy_ns = 0, allreduce_ns = 0, leaked = 0;
     int errors = 0;

@@ -1,0 +1,116 @@
+"""The GPU-job stand-in (workload b) under the real CudaTracer and NcclTracer.
+
+Stand-ins: libcudart/libnccl are tests/gpu_stub's C libraries (this machine has no GPU).
+Real: two rank processes with a torchrun-style environment that dlopen() them, a ring
+all-reduce over loopback TCP through a DelayRelay, uprobes and BPF maps, the fault
+injector's knob file, and the stand-ins' runtime control that turns a knob into slower
+calls while the ranks run (no restart).
+"""
+import os
+import time
+
+import pytest
+from gpu_stub.batches import index
+
+from benchmarks.eval.faults import WorkloadKnob
+from benchmarks.workloads.gpu_standin import StandinConfig, build, launch, stub_control
+from producers.tracers.cuda import CudaTracer
+from producers.tracers.nccl import NcclTracer
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
+
+CFG = StandinConfig(batch_mb=4, kernels=8, kernel_us=500, grad_mb=0.5, step_sleep_ms=20)
+STALL_MS, LEAK = 30, 1 << 20
+PHASE_S = 1.5
+
+
+def test_stub_control_file_carries_the_plan_and_the_knobs():
+    healthy = stub_control(CFG, 2, ring=True)
+    assert "cudaMemcpy=2667," in healthy and "ncclAllReduce=100," in healthy  # 4 MB at 12 Gbit/s; 2 hops x 50 us
+    assert "knob leak_bytes=0" in healthy
+    faulty = stub_control(CFG, 2, {"memcpy_stall": {"extra_ms": 25}, "gpu_memory_leak": {"bytes_per_step": 4096},
+                                   "slow_collective": {"extra_ms": 5}}, ring=True)
+    assert "cudaMemcpy=27667," in faulty and "ncclAllReduce=5100," in faulty and "knob leak_bytes=4096" in faulty
+    with pytest.raises(ValueError, match="unknown stand-in knob"):
+        stub_control(CFG, 2, {"memcpy_stal": {}})
+
+
+def _phase(tracers, pids, seen):
+    """Reset the interval, wait one phase, and index what each tracer saw per rank (all batches go to `seen`)."""
+    seen += [t.sample() for t in tracers]
+    time.sleep(PHASE_S)
+    batches = [t.sample() for t in tracers]
+    seen += batches
+    return {rank: index(batches, pid) for rank, pid in pids.items()}
+
+
+def test_two_ranks_traced_memcpy_stall_and_leak_on_one_rank(tmp_path):
+    control = tmp_path / "control"
+    control.mkdir()
+    bindir = build(tmp_path / "bin")
+    run = launch(2, env={"FLEETSCOPE_WORKLOAD_CONTROL_DIR": str(control), "FLEETSCOPE_JOB": "standin-test"},
+                 cfg=CFG, duration_s=60, bindir=bindir, wait_for_go=True)
+    cuda, nccl = CudaTracer("node-a"), NcclTracer("node-a")
+    stall = WorkloadKnob("memcpy_stall", control, 1, 1.0, {"extra_ms": STALL_MS})
+    leak = WorkloadKnob("gpu_memory_leak", control, 1, 1.0, {"bytes_per_step": LEAK})
+    seen = []
+    try:
+        pids = run.rank_pids(timeout_s=30)
+        env = dict(kv.split("=", 1) for kv in open(f"/proc/{pids[1]}/environ").read().split("\0") if "=" in kv)
+        assert (env["RANK"], env["WORLD_SIZE"], env["TORCHELASTIC_RUN_ID"]) == ("1", "2", "standin-test")
+        for pid in pids.values():
+            assert cuda.add_pid(pid) and nccl.add_pid(pid), f"pid {pid} does not map the stand-ins"
+        run.go()
+        time.sleep(0.5)
+        healthy = _phase((cuda, nccl), pids, seen)
+        with stall, leak:
+            time.sleep(0.4)  # the watcher (100 ms) and the stand-ins (100 ms) pick the knobs up
+            faulty = _phase((cuda, nccl), pids, seen)
+        time.sleep(0.4)
+        after = _phase((cuda, nccl), pids, seen)
+        run.stop()
+        seen += [cuda.sample(), nccl.sample()]  # the ranks are gone: their final counts
+        results = run._results()
+    finally:
+        stall.stop()
+        leak.stop()
+        run.cleanup()
+        cuda.close()
+        nccl.close()
+
+    def p50_ms(phase, rank, metric, api):
+        return phase[rank][(metric, api)] / 1e6
+
+    memcpy_p50 = {name: [p50_ms(ph, r, "cuda.lat_p50_ns", "cudaMemcpy") for r in (0, 1)]
+                  for name, ph in (("healthy", healthy), ("faulty", faulty), ("after", after))}
+    # 4 MB at 12 Gbit/s = 2.67 ms (+ probe cost); the bucket midpoints are within 12.5 %
+    for name in ("healthy", "after"):
+        assert all(2.2 < v < 4.5 for v in memcpy_p50[name]), memcpy_p50
+    stalled = STALL_MS + 2.67
+    assert 0.85 * stalled < memcpy_p50["faulty"][1] < 1.15 * stalled + 2, memcpy_p50
+    assert memcpy_p50["faulty"][0] < 4.5, memcpy_p50
+    # the ranks wait for each other in the ring: rank 0's all-reduce absorbs rank 1's stall
+    ar = {name: p50_ms(ph, 0, "nccl.lat_p50_ns", "AllReduce") for name, ph in (("healthy", healthy), ("faulty", faulty))}
+    assert ar["healthy"] < 15 and ar["faulty"] > STALL_MS * 0.7, ar
+    # the leak: rank 1 keeps LEAK per step (malloc - free over the phase), its live bytes grow;
+    # rank 0, and rank 1 once the knob is gone, free all they allocate
+    def kept(phase, rank):
+        return phase[rank][("cuda.malloc_bytes", "all")] - phase[rank][("cuda.free_bytes", "all")]
+
+    steps_faulty = faulty[1][("cuda.calls", "cudaMemcpy")]
+    assert steps_faulty >= 10 and abs(kept(faulty, 1) - LEAK * steps_faulty) <= LEAK, (kept(faulty, 1), steps_faulty)
+    assert faulty[1][("cuda.mem_live_bytes", "all")] - healthy[1][("cuda.mem_live_bytes", "all")] >= LEAK * steps_faulty
+    assert kept(healthy, 0) == kept(faulty, 0) == kept(after, 1) == kept(healthy, 1) == 0
+    assert faulty[0][("cuda.mem_live_bytes", "all")] == healthy[0][("cuda.mem_live_bytes", "all")]
+    # every step seen: a rank's traced calls equal its own step count (+1: the step that
+    # found the ring closed at the end is not counted by the rank)
+    for res in results:
+        r, total = res["rank"], index(seen, pids[res["rank"]])
+        assert res["errors"] == 0 and res["steps"] > 50, res
+        for key in (("cuda.calls", "cudaMemcpy"), ("nccl.calls", "AllReduce")):
+            assert total[key] - res["steps"] in (0, 1), (key, total[key], res)
+        assert total[("nccl.calls", "CommInitRank")] == 1
+        assert res["faults_seen"] == ([] if r == 0 else ["gpu_memory_leak", "memcpy_stall"])
+    # bytes and identity of the collective: 0.5 MB of float32 per all-reduce
+    assert healthy[0][("nccl.bytes", "AllReduce")] == healthy[0][("nccl.calls", "AllReduce")] * 500_000
+    assert healthy[1][("cuda.launches", "sgemm_kernel(float const*, float const*, float*, int, int, int)")] > 0
