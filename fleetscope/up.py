@@ -75,8 +75,15 @@ def _status_line(elapsed: float, agent, stats: dict | None, rate: float, lag) ->
         return line + " | streams: starting…"
     last = stats.get("last_window_end_ns") or 0
     last_s = time.strftime("%H:%M:%S", time.localtime(last / 1e9)) if last else "-"
-    return (line + f" | streams: {rate:,.0f} events/s in, {stats['windows_out']:,} windows out (last {last_s}), "
-            f"lag {'?' if lag is None else lag} msgs, DLQ {stats['dlq']}, late {stats['late_events']}")
+    line += (f" | streams: {rate:,.0f} events/s in, {stats['windows_out']:,} windows out (last {last_s}), "
+             f"lag {'?' if lag is None else lag} msgs, DLQ {stats['dlq']}, late {stats['late_events']}")
+    if "model_scored" in stats:
+        line += (f" | model: {stats['model_scored']:,} scored, {stats['model_anomalies']:,} anomalies, "
+                 f"{stats['model_diagnoses']:,} diagnosed ({stats['model_unmatched']:,} unmatched)")
+    for source in agent.stat_sources:  # the tracer manager, once its BPF programs are loaded
+        t = source.stats()
+        line += f" | tracing {t['trace_targets']} processes, {t['trace_tracers_running']} tracers"
+    return line
 
 
 def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) -> int:
