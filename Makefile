@@ -1,8 +1,9 @@
-# The README's commands. `make install` once, then `make up` or `make test`.
+# The README's commands. `make install` once, then `make demo`, `make up` or `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install up demo test bench bench-codec bench-pipeline bench-sampler
+.PHONY: install up demo test bench bench-codec bench-pipeline bench-sampler bench-probes bench-torch \
+        bench-model bench-scoring bench-scenarios
 
 install:
 	bash install.sh
@@ -10,12 +11,14 @@ install:
 up:
 	$(VENV)/bin/fleetscope up
 
-demo: up
+# A few minutes, no configuration: a real 2-rank training job, one injected fault, what was detected vs the truth.
+demo:
+	$(VENV)/bin/fleetscope demo
 
 test:
 	$(VENV)/bin/pytest -q
 
-bench: bench-codec bench-pipeline bench-sampler
+bench: bench-codec bench-pipeline bench-sampler bench-probes bench-torch bench-model bench-scoring bench-scenarios
 
 bench-codec:
 	$(PY) benchmarks/codec_bench.py
@@ -25,3 +28,19 @@ bench-pipeline:
 
 bench-sampler:
 	$(PY) benchmarks/sampler_cost_bench.py
+
+# the eBPF ones load BPF programs: run as root
+bench-probes:
+	$(PY) benchmarks/probe_cost_bench.py
+
+bench-torch:
+	$(PY) benchmarks/torch_overhead_bench.py
+
+bench-model:
+	$(PY) benchmarks/model_bench.py
+
+bench-scoring:
+	$(PY) benchmarks/scoring_bench.py
+
+bench-scenarios:
+	$(VENV)/bin/fleetscope bench scenario benchmarks/scenarios/*.yaml --out benchmarks/results
