@@ -1,6 +1,8 @@
-/* CUDA runtime (libcudart) and driver (libcuda) calls, with uprobe+uretprobe
- * pairs attached per traced pid. API_* and FAM_* ids come from
- * producers/tracers/cuda.py as -D flags, so the two can never disagree.
+/* CUDA runtime (libcudart) and driver (libcuda) calls, by uprobe+uretprobe
+ * pairs attached per traced pid as uprobe_multi links: per process, family and
+ * library one link runs on_call at every entry and one runs on_return at every
+ * return, each probe's BPF cookie naming its API. API_* and FAM_* ids come
+ * from producers/tracers/cuda.py as -D flags, so the two can never disagree.
  *
  * Entry stores the arguments in `inflight` (key = pid_tgid; driver calls set
  * bit 63 so a runtime call that enters the driver inside it keeps its own
@@ -151,8 +153,8 @@ static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
     return 0;
 }
 
-int ret_runtime(struct pt_regs *ctx) { return leave(ctx, 0); }
-int ret_driver(struct pt_regs *ctx) { return leave(ctx, DRIVER_TAG); }
+/* The one return program: the cookie is the entry's (API id, bit 63 for driver calls). */
+int on_return(struct pt_regs *ctx) { return leave(ctx, bpf_get_attach_cookie(ctx) & DRIVER_TAG); }
 
 /* Stack arguments: at a uprobe on the first instruction, [sp] is the return
  * address and the 7th, 8th, ... integer arguments follow. Read only in DETAIL. */
@@ -171,47 +173,47 @@ static __always_inline int enter_launch(struct pt_regs *ctx, u32 api) {
     return enter(api, FAM_launch, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx),
                  (PT_REGS_PARM3(ctx) & 0xffffffff) | (PT_REGS_PARM5(ctx) << 32), PT_REGS_PARM4(ctx), st[0], st[1]);
 }
-int on_cudaLaunchKernel(struct pt_regs *ctx) { return enter_launch(ctx, API_cudaLaunchKernel); }
-int on_cudaLaunchCooperativeKernel(struct pt_regs *ctx) { return enter_launch(ctx, API_cudaLaunchCooperativeKernel); }
-int on_cudaGraphLaunch(struct pt_regs *ctx) {
+static __always_inline int on_cudaLaunchKernel(struct pt_regs *ctx) { return enter_launch(ctx, API_cudaLaunchKernel); }
+static __always_inline int on_cudaLaunchCooperativeKernel(struct pt_regs *ctx) { return enter_launch(ctx, API_cudaLaunchCooperativeKernel); }
+static __always_inline int on_cudaGraphLaunch(struct pt_regs *ctx) {
     return enter(API_cudaGraphLaunch, FAM_launch, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
 }
 /* cudaMemcpy(dst, src, count, kind), cudaMemcpyAsync(..., stream) */
-int on_cudaMemcpy(struct pt_regs *ctx) {
+static __always_inline int on_cudaMemcpy(struct pt_regs *ctx) {
     return enter(API_cudaMemcpy, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
                  PT_REGS_PARM4(ctx), 0, 0);
 }
-int on_cudaMemcpyAsync(struct pt_regs *ctx) {
+static __always_inline int on_cudaMemcpyAsync(struct pt_regs *ctx) {
     return enter(API_cudaMemcpyAsync, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
                  PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), 0);
 }
 /* cudaMemset(ptr, value, count) */
-int on_cudaMemset(struct pt_regs *ctx) {
+static __always_inline int on_cudaMemset(struct pt_regs *ctx) {
     return enter(API_cudaMemset, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), 0, 0, 0);
 }
 /* Allocators (void **out, size) and frees (ptr). */
-int on_cudaMalloc(struct pt_regs *ctx) {
+static __always_inline int on_cudaMalloc(struct pt_regs *ctx) {
     return enter(API_cudaMalloc, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
 }
-int on_cudaMallocHost(struct pt_regs *ctx) {
+static __always_inline int on_cudaMallocHost(struct pt_regs *ctx) {
     return enter(API_cudaMallocHost, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
 }
-int on_cudaFree(struct pt_regs *ctx) { return enter(API_cudaFree, FAM_memory, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0); }
-int on_cudaFreeHost(struct pt_regs *ctx) {
+static __always_inline int on_cudaFree(struct pt_regs *ctx) { return enter(API_cudaFree, FAM_memory, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0); }
+static __always_inline int on_cudaFreeHost(struct pt_regs *ctx) {
     return enter(API_cudaFreeHost, FAM_memory, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
 }
 /* Synchronization: the stream or event waited on (none for the device). */
-int on_cudaStreamSynchronize(struct pt_regs *ctx) {
+static __always_inline int on_cudaStreamSynchronize(struct pt_regs *ctx) {
     return enter(API_cudaStreamSynchronize, FAM_sync, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
 }
-int on_cudaDeviceSynchronize(struct pt_regs *ctx) { return enter(API_cudaDeviceSynchronize, FAM_sync, 0, 0, 0, 0, 0, 0, 0); }
-int on_cudaEventSynchronize(struct pt_regs *ctx) {
+static __always_inline int on_cudaDeviceSynchronize(struct pt_regs *ctx) { return enter(API_cudaDeviceSynchronize, FAM_sync, 0, 0, 0, 0, 0, 0, 0); }
+static __always_inline int on_cudaEventSynchronize(struct pt_regs *ctx) {
     return enter(API_cudaEventSynchronize, FAM_sync, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
 }
 
 /* Driver. cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sharedMem, stream, params, extra):
  * bz, sharedMem and stream are on the stack. Same record layout as the runtime launch. */
-int on_cuLaunchKernel(struct pt_regs *ctx) {
+static __always_inline int on_cuLaunchKernel(struct pt_regs *ctx) {
     u64 st[3] = {};
     stack_args(ctx, st, 3);
     return enter(API_cuLaunchKernel, FAM_launch, DRIVER_TAG, PT_REGS_PARM1(ctx),
@@ -221,7 +223,7 @@ int on_cuLaunchKernel(struct pt_regs *ctx) {
 }
 /* cuLaunchKernelEx(const CUlaunchConfig *config, f, params, extra): dims,
  * sharedMem and stream come from the config struct (CUDA 12 layout). */
-int on_cuLaunchKernelEx(struct pt_regs *ctx) {
+static __always_inline int on_cuLaunchKernelEx(struct pt_regs *ctx) {
     u32 c[8] = {};
     u64 stream = 0;
 #ifdef DETAIL
@@ -231,12 +233,38 @@ int on_cuLaunchKernelEx(struct pt_regs *ctx) {
     return enter(API_cuLaunchKernelEx, FAM_launch, DRIVER_TAG, PT_REGS_PARM2(ctx),
                  c[0] | ((u64)c[1] << 32), c[2] | ((u64)c[5] << 32), c[3] | ((u64)c[4] << 32), c[6], stream);
 }
-int on_cuMemAlloc_v2(struct pt_regs *ctx) {
+static __always_inline int on_cuMemAlloc_v2(struct pt_regs *ctx) {
     return enter(API_cuMemAlloc_v2, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
 }
-int on_cuMemFree_v2(struct pt_regs *ctx) {
+static __always_inline int on_cuMemFree_v2(struct pt_regs *ctx) {
     return enter(API_cuMemFree_v2, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
 }
-int on_cuStreamSynchronize(struct pt_regs *ctx) {
+static __always_inline int on_cuStreamSynchronize(struct pt_regs *ctx) {
     return enter(API_cuStreamSynchronize, FAM_sync, DRIVER_TAG, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
+}
+
+/* The one entry program of every link: the probe's BPF cookie names the API
+ * (its id in the tracer's table; bit 63 marks a driver call). */
+int on_call(struct pt_regs *ctx) {
+    switch ((u32)bpf_get_attach_cookie(ctx)) {
+    case API_cudaLaunchKernel: return on_cudaLaunchKernel(ctx);
+    case API_cudaLaunchCooperativeKernel: return on_cudaLaunchCooperativeKernel(ctx);
+    case API_cudaGraphLaunch: return on_cudaGraphLaunch(ctx);
+    case API_cudaMemcpy: return on_cudaMemcpy(ctx);
+    case API_cudaMemcpyAsync: return on_cudaMemcpyAsync(ctx);
+    case API_cudaMemset: return on_cudaMemset(ctx);
+    case API_cudaMalloc: return on_cudaMalloc(ctx);
+    case API_cudaMallocHost: return on_cudaMallocHost(ctx);
+    case API_cudaFree: return on_cudaFree(ctx);
+    case API_cudaFreeHost: return on_cudaFreeHost(ctx);
+    case API_cudaStreamSynchronize: return on_cudaStreamSynchronize(ctx);
+    case API_cudaDeviceSynchronize: return on_cudaDeviceSynchronize(ctx);
+    case API_cudaEventSynchronize: return on_cudaEventSynchronize(ctx);
+    case API_cuLaunchKernel: return on_cuLaunchKernel(ctx);
+    case API_cuLaunchKernelEx: return on_cuLaunchKernelEx(ctx);
+    case API_cuMemAlloc_v2: return on_cuMemAlloc_v2(ctx);
+    case API_cuMemFree_v2: return on_cuMemFree_v2(ctx);
+    case API_cuStreamSynchronize: return on_cuStreamSynchronize(ctx);
+    }
+    return 0;
 }

@@ -1,4 +1,6 @@
-/* NCCL calls (libnccl), with uprobe+uretprobe pairs attached per traced pid.
+/* NCCL calls (libnccl), by uprobe+uretprobe pairs attached per traced pid as
+ * uprobe_multi links (entry program on_call, return program on_return; each
+ * probe's BPF cookie is its API id).
  * API_* and FAM_* ids come from producers/tracers/nccl.py as -D flags.
  * Same pairing as bpf/cuda.bpf.c: entry saves the arguments per thread
  * (key = pid_tgid), return adds duration, return code and bytes to maps. */
@@ -50,7 +52,7 @@ static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {  /* the nth s
     return v;
 }
 
-int ret_nccl(struct pt_regs *ctx) {
+int on_return(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct gpu_inflight *fp = inflight.lookup(&id);
     if (!fp)
@@ -104,44 +106,62 @@ int ret_nccl(struct pt_regs *ctx) {
 }
 
 /* ncclAllReduce(send, recv, count, dt, op, comm, stream@stack) */
-int on_ncclAllReduce(struct pt_regs *ctx) {
+static __always_inline int on_ncclAllReduce(struct pt_regs *ctx) {
     return enter(API_ncclAllReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
                  PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
 }
 /* ncclReduceScatter(send, recv, recvcount, dt, op, comm, stream@stack) */
-int on_ncclReduceScatter(struct pt_regs *ctx) {
+static __always_inline int on_ncclReduceScatter(struct pt_regs *ctx) {
     return enter(API_ncclReduceScatter, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
                  PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
 }
 /* ncclAllGather(send, recv, sendcount, dt, comm, stream) */
-int on_ncclAllGather(struct pt_regs *ctx) {
+static __always_inline int on_ncclAllGather(struct pt_regs *ctx) {
     return enter(API_ncclAllGather, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, NONE, PT_REGS_PARM5(ctx),
                  PT_REGS_PARM6(ctx));
 }
 /* ncclBroadcast(send, recv, count, dt, root, comm, stream@stack) */
-int on_ncclBroadcast(struct pt_regs *ctx) {
+static __always_inline int on_ncclBroadcast(struct pt_regs *ctx) {
     return enter(API_ncclBroadcast, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, (s32)PT_REGS_PARM5(ctx),
                  PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
 }
 /* ncclReduce(send, recv, count, dt, op, root, comm@stack, stream@stack) */
-int on_ncclReduce(struct pt_regs *ctx) {
+static __always_inline int on_ncclReduce(struct pt_regs *ctx) {
     return enter(API_ncclReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), (s32)PT_REGS_PARM6(ctx),
                  stack_arg(ctx, 0), stack_arg(ctx, 1));
 }
 /* ncclSend(buf, count, dt, peer, comm, stream), ncclRecv(same) */
-int on_ncclSend(struct pt_regs *ctx) {
+static __always_inline int on_ncclSend(struct pt_regs *ctx) {
     return enter(API_ncclSend, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), NONE, (s32)PT_REGS_PARM4(ctx),
                  PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
 }
-int on_ncclRecv(struct pt_regs *ctx) {
+static __always_inline int on_ncclRecv(struct pt_regs *ctx) {
     return enter(API_ncclRecv, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), NONE, (s32)PT_REGS_PARM4(ctx),
                  PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
 }
-int on_ncclGroupStart(struct pt_regs *ctx) { return enter(API_ncclGroupStart, 0, NONE, NONE, NONE, NONE, NONE); }
-int on_ncclGroupEnd(struct pt_regs *ctx) { return enter(API_ncclGroupEnd, 0, NONE, NONE, NONE, NONE, NONE); }
+static __always_inline int on_ncclGroupStart(struct pt_regs *ctx) { return enter(API_ncclGroupStart, 0, NONE, NONE, NONE, NONE, NONE); }
+static __always_inline int on_ncclGroupEnd(struct pt_regs *ctx) { return enter(API_ncclGroupEnd, 0, NONE, NONE, NONE, NONE, NONE); }
 /* ncclCommInitRank(comm *out, nranks, ncclUniqueId (128 bytes, by value: on
  * the stack, so it takes no register), rank). Record: [out, nranks, -, rank, comm at return, -]. */
-int on_ncclCommInitRank(struct pt_regs *ctx) {
+static __always_inline int on_ncclCommInitRank(struct pt_regs *ctx) {
     return enter(API_ncclCommInitRank, PT_REGS_PARM1(ctx), (s32)PT_REGS_PARM2(ctx), NONE, (s32)PT_REGS_PARM3(ctx),
                  0, NONE);
+}
+
+/* The one entry program of every link: the probe's BPF cookie names the API
+ * (its id in the tracer's table; bit 63 marks a driver call). */
+int on_call(struct pt_regs *ctx) {
+    switch ((u32)bpf_get_attach_cookie(ctx)) {
+    case API_ncclAllReduce: return on_ncclAllReduce(ctx);
+    case API_ncclReduceScatter: return on_ncclReduceScatter(ctx);
+    case API_ncclAllGather: return on_ncclAllGather(ctx);
+    case API_ncclBroadcast: return on_ncclBroadcast(ctx);
+    case API_ncclReduce: return on_ncclReduce(ctx);
+    case API_ncclSend: return on_ncclSend(ctx);
+    case API_ncclRecv: return on_ncclRecv(ctx);
+    case API_ncclGroupStart: return on_ncclGroupStart(ctx);
+    case API_ncclGroupEnd: return on_ncclGroupEnd(ctx);
+    case API_ncclCommInitRank: return on_ncclCommInitRank(ctx);
+    }
+    return 0;
 }

@@ -32,7 +32,7 @@ def _rt(symbol, family, **kw):
 
 
 def _drv(symbol, family, **kw):
-    return Api(symbol, family, "cuda", ret="ret_driver", **kw)
+    return Api(symbol, family, "cuda", driver=True, **kw)
 
 
 class CudaTracer(GpuCallTracer):

@@ -2,6 +2,13 @@
 pid and per probe family, entry/return pairs aggregated in BPF maps
 (struct gpu_call_stats in bpf/events.h), and one bulk read per sample.
 
+Attaching: per (pid, family, library) two uprobe_multi links (uprobes.py),
+one running the BPF entry program `on_call` at each of the family's APIs and
+one running `on_return` at their returns; each probe's BPF cookie is the
+API's index (bit 63 set for driver calls). Turning a family off or on is a
+few link fds closed or opened, for all processes at once: one kernel grace
+period, where single perf-event uprobes paid ~0.1 s per probe.
+
 A subclass names its source, BPF file, libraries and API table, and adds its
 own rows (`_extra_rows`) and detail-record decoding (`_decode`).
 
@@ -24,13 +31,16 @@ import numpy as np
 from fleetscope.wire import Batch
 from producers.tracers.clock import MonotonicClock
 from producers.tracers.discovery import find_library
+from producers.tracers.duty import DutyClock
 from producers.tracers.kernel import BPF_DIR, TracerUnavailable
 from producers.tracers.rows import identity, metric_batch
+from producers.tracers.uprobes import Link, LinkSet, check_host, load_multi_program, symbol_offset
 
 log = logging.getLogger(__name__)
 
 LAT_BUCKETS = 128  # GPU_LAT_BUCKETS in bpf/events.h
 _STATS_HEAD = 4    # calls, dur_ns, errors, bytes precede the histogram
+DRIVER_TAG = 1 << 63  # as in bpf/cuda.bpf.c: a driver call's cookie and in-flight key carry it
 
 
 @dataclass(frozen=True)
@@ -39,16 +49,12 @@ class Api:
     family: str
     library: str           # key into the tracer's LIBRARIES
     label: str = ""        # the rows' device; defaults to the symbol
-    ret: str = "ret_runtime"
+    driver: bool = False   # paired under its own in-flight key (a runtime call may enter the driver)
     has_bytes: bool = False
 
     @property
     def device(self) -> str:
         return self.label or self.symbol
-
-    @property
-    def entry(self) -> str:
-        return f"on_{self.symbol}"
 
 
 def bucket_value(b: int) -> float:
@@ -78,14 +84,8 @@ class GpuCallTracer:
     PID_MAPS: tuple[str, ...] = ("stats",)  # maps whose keys carry a pid, cleaned on remove_pid
 
     def __init__(self, host: str, resolver=None, detail: bool = False, ring_pages: int = 1024):
-        if os.geteuid() != 0:
-            raise TracerUnavailable(f"the {self.SOURCE} tracer loads BPF programs and needs root "
-                                    "(or CAP_BPF+CAP_PERFMON): run the agent as root or in a privileged container")
-        try:
-            from bcc import BPF  # Debian's python3-bpfcc; the PyPI "bcc" is unrelated
-        except ImportError as e:
-            raise TracerUnavailable(f"bcc is not importable ({e}): install Debian's python3-bpfcc "
-                                    "and run install.sh, which links it into the venv") from e
+        check_host(self.SOURCE)
+        from bcc import BPF  # Debian's python3-bpfcc; the PyPI "bcc" is unrelated
         self.host, self.resolver, self.detail = host, resolver, detail
         self.api_ids = {a.symbol: i for i, a in enumerate(self.APIS)}
         self.family_ids = {f: i for i, f in enumerate(self.FAMILIES)}
@@ -100,14 +100,15 @@ class GpuCallTracer:
         except Exception as e:  # bcc raises bare Exception on compile failure
             raise TracerUnavailable(f"loading bpf/{self.BPF_FILE} failed ({e}); check that kernel headers exist "
                                     f"at /lib/modules/{os.uname().release}/build (install.sh links them)") from e
+        self._prog = {fn: load_multi_program(self.bpf, fn, self.SOURCE) for fn in ("on_call", "on_return")}
         self.libs: dict[int, dict[str, str]] = {}       # pid -> library key -> path
-        self._attached: set[tuple[int, str]] = set()   # (pid, symbol)
+        self.links = LinkSet()                          # (pid, family, library key) -> entry + return links
+        self._attached: dict[tuple, tuple[str, ...]] = {}  # the same keys -> the symbols they probe
         self.missing_symbols: set[tuple[str, str]] = set()  # (library path, symbol) not exported there
+        self._offsets: dict[tuple[str, str], int] = {}  # (library path, symbol) -> file offset
         self._enabled = dict.fromkeys(self.FAMILIES, True)
-        mono = time.monotonic_ns()
-        self._on_since = dict.fromkeys(self.FAMILIES, mono)
-        self._on_ns = dict.fromkeys(self.FAMILIES, 0)
-        self._last_mono, self._last_ns = mono, time.time_ns()
+        self._clock = DutyClock(self.FAMILIES)
+        self._last_ns = time.time_ns()
         self._prev: dict[tuple[int, int], np.ndarray] = {}
         self._prev_lost = 0
         self.clock = MonotonicClock()
@@ -129,8 +130,7 @@ class GpuCallTracer:
 
     def remove_pid(self, pid: int) -> None:
         pid = int(pid)
-        for api in self.APIS:
-            self._detach(pid, api)
+        self._detach([k for k in self._attached if k[0] == pid])
         self.libs.pop(pid, None)
         for name in self.PID_MAPS:
             table = self.bpf[name.encode()]
@@ -150,39 +150,48 @@ class GpuCallTracer:
         return {key: path for key, rx in self.LIBRARIES.items() if (path := find_library(pid, rx))}
 
     def _attach_pid(self, pid: int) -> None:
-        for api in self.APIS:
-            if self._enabled[api.family]:
-                self._attach(pid, api)
+        for family, on in self._enabled.items():
+            if on:
+                self._attach(pid, family)
 
-    def _attach(self, pid: int, api: Api) -> None:
-        path = self.libs.get(pid, {}).get(api.library)
-        if path is None or (pid, api.symbol) in self._attached or (path, api.symbol) in self.missing_symbols:
-            return
-        try:
-            self.bpf.attach_uprobe(name=path.encode(), sym=api.symbol.encode(), fn_name=api.entry.encode(), pid=pid)
-        except Exception as e:  # bcc: symbol not found, or the process is gone
-            if os.path.exists(f"/proc/{pid}"):
-                self.missing_symbols.add((path, api.symbol))
-                log.warning("%s tracer: cannot probe %s in %s: %s", self.SOURCE, api.symbol, path, e)
-            return
-        try:
-            self.bpf.attach_uretprobe(name=path.encode(), sym=api.symbol.encode(), fn_name=api.ret.encode(), pid=pid)
-        except Exception as e:
-            log.warning("%s tracer: cannot probe the return of %s in %s: %s", self.SOURCE, api.symbol, path, e)
-            self.bpf.detach_uprobe(name=path.encode(), sym=api.symbol.encode(), pid=pid)
-            return
-        self._attached.add((pid, api.symbol))
-
-    def _detach(self, pid: int, api: Api) -> None:
-        if (pid, api.symbol) not in self._attached:
-            return
-        self._attached.discard((pid, api.symbol))
-        path = self.libs[pid][api.library].encode()
-        for detach in (self.bpf.detach_uretprobe, self.bpf.detach_uprobe):
+    def _attach(self, pid: int, family: str) -> None:
+        """Links for the family's APIs in each library the process maps (one not yet attached)."""
+        for lib, path in self.libs.get(pid, {}).items():
+            key = (pid, family, lib)
+            if key in self._attached:
+                continue
+            apis = [(i, a) for i, a in enumerate(self.APIS) if a.family == family and a.library == lib
+                    and self._offset(path, a.symbol) is not None]
+            if not apis:
+                continue
+            offsets = tuple(self._offsets[(path, a.symbol)] for _, a in apis)
+            cookies = tuple(i | (DRIVER_TAG if a.driver else 0) for i, a in apis)
             try:
-                detach(name=path, sym=api.symbol.encode(), pid=pid)
-            except Exception:  # already gone with its process
-                log.debug("detach %s from pid %d", api.symbol, pid, exc_info=True)
+                self.links.attach(key, [Link(self._prog["on_call"], path, offsets, cookies),
+                                        Link(self._prog["on_return"], path, offsets, cookies, retprobe=True)], pid)
+            except OSError as e:  # the process is gone, or the kernel refused
+                if os.path.exists(f"/proc/{pid}"):
+                    log.warning("%s tracer: cannot probe %s in %s (pid %d): %s", self.SOURCE, family, path, pid, e)
+                continue
+            self._attached[key] = tuple(a.symbol for _, a in apis)
+
+    def _offset(self, path: str, symbol: str) -> int | None:
+        if (path, symbol) in self.missing_symbols:
+            return None
+        if (path, symbol) not in self._offsets:
+            try:
+                self._offsets[(path, symbol)] = symbol_offset(path, symbol)
+            except LookupError as e:
+                self.missing_symbols.add((path, symbol))
+                log.warning("%s tracer: cannot probe %s: %s", self.SOURCE, symbol, e)
+                return None
+        return self._offsets[(path, symbol)]
+
+    def _detach(self, keys) -> None:
+        keys = list(keys)
+        for key in keys:
+            self._attached.pop(key, None)
+        self.links.detach(keys)  # all at once: one shared grace period
 
     # -- probe families (the governor's controls) ---------------------------
     def families(self) -> dict[str, str]:
@@ -193,31 +202,29 @@ class GpuCallTracer:
             raise KeyError(f"{self.SOURCE} has no probe family {family!r}; it has {sorted(self.FAMILIES)}")
         if self._enabled[family] == bool(on):
             return
-        mono = time.monotonic_ns()
-        if on:
-            self._on_since[family] = mono
-        else:
-            self._on_ns[family] += mono - self._on_since[family]
         self._enabled[family] = bool(on)
+        if not on:
+            self._clock.set(family, False)  # the probes stop firing early in the detach
+            self._detach([k for k in self._attached if k[1] == family])
+            return
         for pid in list(self.libs):
-            for api in self.APIS:
-                if api.family == family:
-                    (self._attach if on else self._detach)(pid, api)
+            self._attach(pid, family)
+        self._clock.set(family, True)
 
     def hits(self) -> dict[str, int]:
         table = self.bpf[b"hits"]
         return {f: int(table[table.Key(i)].value) for f, i in self.family_ids.items()}
 
     def attached_probes(self) -> int:
-        return len(self._attached)
+        """Attached entry+return probe pairs (one per API per process)."""
+        return sum(len(symbols) for symbols in self._attached.values())
 
     # -- sampling -----------------------------------------------------------
     def sample(self, now_ns: int | None = None) -> Batch | None:
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
-        mono = time.monotonic_ns()
         interval = max(now_ns - self._last_ns, 0)
-        fracs = self._fractions(mono)
-        self._last_ns, self._last_mono = now_ns, mono
+        fracs = self._clock.fractions()
+        self._last_ns = now_ns
         # Exits are noted before the maps are read: a process found gone has
         # made its last call, so dropping it after the read loses nothing.
         gone = [pid for pid in self.libs if not os.path.exists(f"/proc/{pid}")]
@@ -242,17 +249,6 @@ class GpuCallTracer:
         if len(found) > len(self.libs[pid]):
             self.libs[pid] = {**found, **self.libs[pid]}
             self._attach_pid(pid)
-
-    def _fractions(self, mono: int) -> dict[str, float]:
-        span = max(mono - self._last_mono, 1)
-        out = {}
-        for f in self.FAMILIES:
-            on = self._on_ns[f] + (mono - max(self._on_since[f], self._last_mono) if self._enabled[f] else 0)
-            out[f] = min(on / span, 1.0)
-            self._on_ns[f] = 0
-            if self._enabled[f]:
-                self._on_since[f] = mono
-        return out
 
     def _stats_rows(self, interval: int, fracs: dict[str, float]) -> list[tuple]:
         rows = []
@@ -312,6 +308,9 @@ class GpuCallTracer:
         return identity(self.resolver, self.host, pid)
 
     def close(self) -> None:
+        if hasattr(self, "links"):
+            self.links.close()
+            self._attached.clear()
         bpf, self.bpf = getattr(self, "bpf", None), None
         if bpf is not None:
             bpf.cleanup()

@@ -28,7 +28,7 @@ _NONE = (1 << 64) - 1
 
 
 def _api(call: str, has_bytes=True):
-    return Api(f"nccl{call}", "collectives", "nccl", label=call, ret="ret_nccl", has_bytes=has_bytes)
+    return Api(f"nccl{call}", "collectives", "nccl", label=call, has_bytes=has_bytes)
 
 
 class NcclTracer(GpuCallTracer):

@@ -10,11 +10,13 @@ How the probes are attached: CPython guards each probe with a USDT semaphore,
 so a process whose semaphore is 0 skips the probe site entirely. bcc 0.26
 sets semaphores by writing the process's memory and only undoes that when its
 USDT context is destroyed, which makes a clean detach/re-attach (duty
-cycling) awkward. Instead each probe is one uprobe perf event opened here
-with the kernel's `ref_ctr_offset`: the kernel raises the semaphore when the
-probe is installed in the process and lowers it when the fd is closed, per
-process and atomically, even if the process exits. Detaching a family is
-closing its fds; a detached family costs the traced process nothing.
+cycling) awkward. Instead each probe program is attached as a uprobe_multi
+link (producers/tracers/uprobes.py) with the semaphore's offset as its
+`ref_ctr_offset`: the kernel raises the semaphore when the probe is installed
+in the process and lowers it when the link is closed, per process and
+atomically, even if the process exits. Detaching a family is closing its
+links (one shared grace period); a detached family costs the traced process
+nothing.
 
 bcc only generates the USDT argument readers (which registers hold the file
 and function name); they are generated once per interpreter binary from a
@@ -28,20 +30,16 @@ python.lost_events. Inclusive time of a recursive function counts each level.
 """
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import logging
 import os
 import re
-import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
-from fleetscope.schema import SOURCE_COLUMNS
-from fleetscope.wire import Batch, StrColumn
-from producers.tracers.kernel import BPF_DIR, KernelTracer, TracerUnavailable
+from fleetscope.wire import Batch
+from producers.tracers.duty import DutyClock
+from producers.tracers.kernel import BPF_DIR, TracerUnavailable
+from producers.tracers.rows import diff, identity, metric_batch
+from producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
 
 log = logging.getLogger(__name__)
 
@@ -54,100 +52,6 @@ PREFIX_MAX, PREFIX_LEN = 8, 160  # as PY_PREFIX_MAX / PY_FILE_LEN in bpf/events.
 # reaches (CPython gh-98894, fixed for 3.15): calls are counted on return
 # there, and inclusive time (python.func_ns) cannot be measured.
 ENTRY_BROKEN = re.compile(r"python3\.(11|12|13|14)\b")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_NR_PERF_EVENT_OPEN = 298  # x86_64
-_PERF_EVENT_IOC_ENABLE, _PERF_EVENT_IOC_SET_BPF = 0x2400, 0x40042408
-_PERF_FLAG_FD_CLOEXEC = 8
-
-
-def _uprobe_pmu_type() -> int:
-    try:
-        with open("/sys/bus/event_source/devices/uprobe/type") as f:
-            return int(f.read())
-    except OSError as e:
-        raise TracerUnavailable(f"this kernel has no uprobe PMU ({e}); USDT tracing needs uprobes") from e
-
-
-def attach_uprobe_fd(prog_fd: int, path: str, offset: int, pid: int, ref_ctr_offset: int = 0,
-                     retprobe: bool = False) -> int:
-    """One uprobe on `path`+`offset` in process `pid`, running `prog_fd`; close the fd to detach.
-
-    With `ref_ctr_offset` (a USDT semaphore's file offset) the kernel keeps
-    the process's semaphore raised while the probe is installed."""
-    attr = ctypes.create_string_buffer(128)
-    cpath = ctypes.create_string_buffer(path.encode())
-    struct.pack_into("<IIQ", attr, 0, _uprobe_pmu_type(), 128, ref_ctr_offset << 32 | retprobe)
-    struct.pack_into("<QQ", attr, 56, ctypes.addressof(cpath), offset)  # config1, config2
-    fd = _libc.syscall(_NR_PERF_EVENT_OPEN, attr, pid, -1, -1, _PERF_FLAG_FD_CLOEXEC)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"perf_event_open(uprobe {path}+{offset:#x}, pid {pid}): {os.strerror(err)}")
-    try:
-        fcntl.ioctl(fd, _PERF_EVENT_IOC_SET_BPF, prog_fd)
-        fcntl.ioctl(fd, _PERF_EVENT_IOC_ENABLE, 0)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
-BPF_TRACE_UPROBE_MULTI, _BPF_LINK_CREATE, _NR_BPF = 48, 28, 321  # x86_64
-
-
-def attach_uprobe_multi(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid: int,
-                        retprobe: bool = False) -> int:
-    """One uprobe_multi link: `prog_fd` (loaded with expected attach type BPF_TRACE_UPROBE_MULTI) at every
-    file offset of `path` in process `pid`, each probe with its BPF cookie. Close the fd to detach.
-
-    Removing a uprobe waits for a kernel grace period (~0.1 s here); a link
-    removes all its probes with one wait, where single perf events took 16 s
-    for 126 probes."""
-    n = len(offsets)
-    c_path = ctypes.create_string_buffer(path.encode())
-    c_offsets = (ctypes.c_uint64 * n)(*offsets)
-    c_cookies = (ctypes.c_uint64 * n)(*cookies)
-    attr = ctypes.create_string_buffer(128)
-    struct.pack_into("<IIII", attr, 0, prog_fd, 0, BPF_TRACE_UPROBE_MULTI, 0)
-    struct.pack_into("<QQQQIII", attr, 16, ctypes.addressof(c_path), ctypes.addressof(c_offsets), 0,
-                     ctypes.addressof(c_cookies), n, 1 if retprobe else 0, pid)
-    fd = _libc.syscall(_NR_BPF, _BPF_LINK_CREATE, attr, 128)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"bpf(LINK_CREATE uprobe_multi, {n} probes in {path}, pid {pid}): {os.strerror(err)}")
-    return fd
-
-
-def close_all(fds) -> None:
-    """Close uprobe perf event fds, concurrently.
-
-    Each uprobe removal waits for an RCU grace period in the kernel (~0.1 s
-    here); closed one after another, 126 probes took 16 s. Concurrent closes
-    share grace periods."""
-    fds = list(fds)
-    if len(fds) <= 2:
-        for fd in fds:
-            os.close(fd)
-        return
-    with ThreadPoolExecutor(max_workers=min(len(fds), 64)) as pool:
-        list(pool.map(os.close, fds))
-
-
-def file_offset(path: str, vaddr: int) -> int:
-    """The file offset of a virtual address in an ELF64 object, via its PT_LOAD segments."""
-    with open(path, "rb") as f:
-        hdr = f.read(64)
-        if hdr[:4] != b"\x7fELF" or hdr[4] != 2:
-            raise ValueError(f"{path} is not a 64-bit ELF object")
-        phoff, = struct.unpack_from("<Q", hdr, 32)
-        phentsize, phnum = struct.unpack_from("<HH", hdr, 54)
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
-    for i in range(phnum):
-        p_type, _, p_offset, p_vaddr, _, p_filesz, p_memsz = struct.unpack_from("<IIQQQQQ", table, i * phentsize)
-        if p_type == 1 and p_vaddr <= vaddr < p_vaddr + max(p_filesz, p_memsz):
-            return vaddr - p_vaddr + p_offset
-    raise ValueError(f"address {vaddr:#x} is in no loadable segment of {path}")
 
 
 def python_probes(pid: int) -> tuple[str, dict[str, tuple[int, int]], str]:
@@ -182,64 +86,6 @@ def python_probes(pid: int) -> tuple[str, dict[str, tuple[int, int]], str]:
     return path, offsets, text
 
 
-class DutyClock:
-    """How long each family was attached during each sample interval."""
-
-    def __init__(self, families):
-        now = time.monotonic_ns()
-        self.on_since = {f: now for f in families}
-        self.on_ns = dict.fromkeys(families, 0)
-
-    def set(self, family: str, on: bool) -> None:
-        now = time.monotonic_ns()
-        since = self.on_since[family]
-        if on and since is None:
-            self.on_since[family] = now
-        elif not on and since is not None:
-            self.on_ns[family] += now - since
-            self.on_since[family] = None
-
-    def fractions(self, interval_ns: int) -> dict[str, float]:
-        """Fraction of the interval each family was on; starts the next interval."""
-        now = time.monotonic_ns()
-        out = {}
-        for fam, since in self.on_since.items():
-            on = self.on_ns[fam] + (now - since if since is not None else 0)
-            out[fam] = min(on / interval_ns, 1.0) if interval_ns > 0 else (1.0 if since is not None else 0.0)
-            self.on_ns[fam] = 0
-            if since is not None:
-                self.on_since[fam] = now
-        return out
-
-
-def traced_batch(source: str, host: str, rows: list[tuple], now_ns: int, interval: int, identity) -> Batch:
-    """One Batch of delta rows (metric, device, value, pid, sample_frac) for a traced source."""
-    n = len(rows)
-    metrics, devices, values, pids, fracs = zip(*rows)
-    idents = {pid: identity(pid) for pid in set(pids)}  # one resolve per process per tick
-    tenants, jobs, ranks, gpus = zip(*(idents[p] for p in pids))
-    columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"), "tenant": StrColumn.of(tenants),
-               "job": StrColumn.of(jobs), "rank": np.array(ranks, dtype="<i4"),
-               "pid": np.array(pids, dtype="<i4"), "gpu": np.array(gpus, dtype="<i2"),
-               "metric": StrColumn.of(metrics), "device": StrColumn.of(devices),
-               "value": np.array(values, dtype="<f8"), "interval_ns": np.full(n, interval, dtype="<i8"),
-               "sample_frac": np.array(fracs, dtype="<f8")}
-    return Batch(source=source, host=host, created_ns=now_ns,
-                 columns={name: columns[name] for name in SOURCE_COLUMNS[source]})
-
-
-def diff(prev: dict, current: dict) -> dict:
-    """Positive increases since `prev` per key (a value that shrank was re-created: count it whole)."""
-    out = {}
-    for k, v in current.items():
-        d = v - prev.get(k, 0)
-        if d < 0:
-            d = v
-        if d > 0:
-            out[k] = d
-    return out
-
-
 def module_name(path: str) -> str:
     """A readable module for a source path: the part after site-packages or the stdlib dir, dotted."""
     for marker in ("/site-packages/", "/dist-packages/"):
@@ -257,24 +103,12 @@ def module_name(path: str) -> str:
     return path.replace("/", ".") or "?"
 
 
-def _check_root() -> None:
-    if os.geteuid() != 0:
-        raise TracerUnavailable("USDT/uprobe tracing loads BPF programs and needs root (or CAP_BPF+CAP_PERFMON): "
-                                "run the agent as root or in a privileged container")
-    try:
-        import bcc  # noqa: F401  Debian's python3-bpfcc; the PyPI "bcc" is unrelated
-    except ImportError as e:
-        raise TracerUnavailable(f"bcc is not importable ({e}): install Debian's python3-bpfcc "
-                                "and run install.sh, which links it into the venv") from e
-    _uprobe_pmu_type()
-
-
 class PythonTracer:
     source = "python"
 
     def __init__(self, host: str, resolver=None, prefixes: tuple[str, ...] = ()):
         """`prefixes`: count only functions whose source file starts with one of these (none: all)."""
-        _check_root()
+        check_host("Python")
         if len(prefixes) > PREFIX_MAX or any(len(p.encode()) > PREFIX_LEN for p in prefixes):
             raise ValueError(f"at most {PREFIX_MAX} file prefixes of at most {PREFIX_LEN} bytes")
         self.host, self.resolver, self.prefixes = host, resolver, tuple(prefixes)
@@ -282,13 +116,15 @@ class PythonTracer:
         self.pids: dict[int, tuple[str, dict, bool]] = {}  # pid -> (object path, probe offsets, entry fires)
         self.unavailable: dict[int, str] = {}        # pid -> why it is not traced
         self.enabled = dict.fromkeys(FAMILIES, True)
-        self._fds: dict[tuple[int, str], list[int]] = {}
+        self.links = LinkSet()                       # (pid, family) -> uprobe_multi links
+        self._progs: dict[tuple[str, str], int] = {}  # (object path, BPF function) -> program fd
         self._clock = DutyClock(FAMILIES)
         self._names: dict[tuple, str] = {}           # (path, pid, file, name) -> "module:function"
         self._prev: dict[str, dict] = {"funcs": {}, "gc_count": {}, "gc_ns": {}, "lost": {}}
         self._last_ns = time.time_ns()
 
-    _identity = KernelTracer._identity
+    def _identity(self, pid: int):
+        return identity(self.resolver, self.host, pid)
 
     # ---- the tracer contract ----
     def families(self) -> dict[str, str]:
@@ -325,15 +161,19 @@ class PythonTracer:
         if self.enabled[family] == on:
             return
         self.enabled[family] = on
+        if not on:
+            self._clock.set(family, False)
+            self.links.detach([(pid, family) for pid in self.pids])  # all processes: one grace period
+            if family == "functions":
+                for bpf in self.programs.values():
+                    bpf[b"stacks"].clear()  # frames entered now will return unseen
+            return
         for pid in list(self.pids):
             try:
-                self._attach(pid, family) if on else self._detach(pid, family)
+                self._attach(pid, family)
             except OSError as e:  # the process exited between polls
                 log.debug("python tracer: pid %d family %s: %s", pid, family, e)
-        if family == "functions" and not on:
-            for bpf in self.programs.values():
-                bpf[b"stacks"].clear()  # frames entered now will return unseen
-        self._clock.set(family, on)
+        self._clock.set(family, True)
 
     def hits(self) -> dict[str, int]:
         out = dict.fromkeys(FAMILIES, 0)
@@ -347,7 +187,7 @@ class PythonTracer:
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
         interval = max(now_ns - self._last_ns, 0)
         self._last_ns = now_ns
-        frac = self._clock.fractions(interval)
+        frac = self._clock.fractions()
         funcs, gc_count, gc_ns, lost = {}, {}, {}, {}
         for path, bpf in self.programs.items():
             for k, v in bpf[b"fstats"].items():
@@ -356,15 +196,16 @@ class PythonTracer:
             for k, v in bpf[b"gc"].items():
                 gc_count[(path, k.value)], gc_ns[(path, k.value)] = v.count, v.ns
             lost.update({(path, k.value): v.value for k, v in bpf[b"lost"].items()})
-        rows = self._function_rows(funcs, frac["functions"])
+        rows = self._function_rows(funcs, interval, frac["functions"])
         for metric, name, cur in (("python.gc_count", "gc_count", gc_count), ("python.gc_ns", "gc_ns", gc_ns)):
-            rows += [(metric, "all", d, k[1], frac["gc"]) for k, d in diff(self._prev[name], cur).items()]
+            rows += [(metric, "all", d, k[1], interval, frac["gc"]) for k, d in diff(self._prev[name], cur).items()]
             self._prev[name] = cur
-        rows += [("python.lost_events", "all", d, k[1], 1.0) for k, d in diff(self._prev["lost"], lost).items()]
+        rows += [("python.lost_events", "all", d, k[1], interval, 1.0)
+                 for k, d in diff(self._prev["lost"], lost).items()]
         self._prev["lost"] = lost
         for pid in [p for p in self.pids if not os.path.exists(f"/proc/{p}")]:
             self._forget(pid)  # it exited: its last deltas are in this batch
-        return traced_batch(self.source, self.host, rows, now_ns, interval, self._identity) if rows else None
+        return metric_batch(self.source, self.host, rows, now_ns, interval, self._identity) if rows else None
 
     def close(self) -> None:
         for pid in list(self.pids):
@@ -411,24 +252,22 @@ class PythonTracer:
         return bpf
 
     def _attach(self, pid: int, family: str) -> None:
-        if (pid, family) in self._fds:
-            return
         path, offsets, entry_fires = self.pids[pid]
-        bpf = self.programs[path]
-        fds: list[int] = []
-        self._fds[(pid, family)] = fds
+        links = []
         for probe, fn in FAMILY_PROBES[family]:
             if probe == "function__entry" and not entry_fires:
                 continue  # never reached: attaching it would only raise its semaphore
             off, sem = offsets[probe]
-            fds.append(attach_uprobe_fd(bpf.load_func(fn.encode(), bpf.KPROBE).fd, path, off, pid, sem))
+            links.append(Link(self._prog(path, fn), path, (off,), (0,), ref_ctr_offsets=(sem,) if sem else None))
+        self.links.attach((pid, family), links, pid)
 
-    def _detach(self, pid: int, family: str) -> None:
-        close_all(self._fds.pop((pid, family), ()))  # the kernel removes the probes, lowers the semaphores
+    def _prog(self, path: str, fn: str) -> int:
+        if (path, fn) not in self._progs:
+            self._progs[(path, fn)] = load_multi_program(self.programs[path], fn, "Python")
+        return self._progs[(path, fn)]
 
     def _detach_pid(self, pid: int) -> None:
-        for fam in FAMILIES:
-            self._detach(pid, fam)
+        self.links.detach([(pid, fam) for fam in FAMILIES])
 
     def _forget(self, pid: int) -> None:
         """Detach a pid and drop its keys from the maps and the diff state."""
@@ -459,7 +298,7 @@ class PythonTracer:
                                      f"{leaf.name.decode(errors='replace')}"
         return dev
 
-    def _function_rows(self, funcs: dict, frac: float) -> list[tuple]:
+    def _function_rows(self, funcs: dict, interval: int, frac: float) -> list[tuple]:
         """python.calls / python.func_ns deltas: top TOP_N devices per pid by calls, the rest as "other"."""
         prev = self._prev["funcs"]
         per_pid: dict[int, dict[str, list[int]]] = {}
@@ -478,7 +317,7 @@ class PythonTracer:
             kept = ranked[:TOP_N] + ([("other", other)] if len(ranked) > TOP_N else [])
             timed = pid in self.pids and self.pids[pid][2]
             for dev, (dc, dn) in kept:
-                rows.append(("python.calls", dev, dc, pid, frac))
+                rows.append(("python.calls", dev, dc, pid, interval, frac))
                 if timed:
-                    rows.append(("python.func_ns", dev, dn, pid, frac))
+                    rows.append(("python.func_ns", dev, dn, pid, interval, frac))
         return rows

@@ -1,6 +1,6 @@
 """What every tracer shares when it turns counters into a Batch: the identity
-of a pid (through the resolver, else the node's) and the columnar batch of
-metric rows for a source.
+of a pid (through the resolver, else the node's), deltas of cumulative
+counters, and the columnar batch of metric rows for a source.
 
 A row is (metric, device, value, pid), or (metric, device, value, pid,
 interval_ns, sample_frac) when it differs from the batch's interval (gauges
@@ -32,6 +32,19 @@ def identity(resolver, host: str, pid: int) -> tuple[str, str, int, int]:
     gpu = getattr(ident, "gpu", NO_GPU)
     return (ident.tenant or NODE_TENANT, ident.job or host,
             NO_RANK if ident.rank is None else int(ident.rank), NO_GPU if gpu is None else int(gpu))
+
+
+def diff(prev: dict, current: dict) -> dict:
+    """Positive increases of cumulative counters since `prev`, per key (a value that shrank was re-created:
+    count it whole)."""
+    out = {}
+    for k, v in current.items():
+        d = v - prev.get(k, 0)
+        if d < 0:
+            d = v
+        if d > 0:
+            out[k] = d
+    return out
 
 
 def metric_batch(source: str, host: str, rows: list[tuple], now_ns: int, interval: int, identity_of) -> Batch:

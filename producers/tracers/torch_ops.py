@@ -39,9 +39,10 @@ import time
 
 from fleetscope.wire import Batch
 from producers.tracers.discovery import find_library
-from producers.tracers.kernel import BPF_DIR, KernelTracer, TracerUnavailable
-from producers.tracers.python_vm import (BPF_TRACE_UPROBE_MULTI, DutyClock, _check_root, attach_uprobe_multi,
-                                         diff, file_offset, traced_batch)
+from producers.tracers.duty import DutyClock
+from producers.tracers.kernel import BPF_DIR, TracerUnavailable
+from producers.tracers.rows import diff, identity, metric_batch
+from producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class TorchTracer:
 
     def __init__(self, host: str, resolver=None, ops: frozenset[str] | None = None):
         """`ops`: op names to probe (default DEFAULT_OPS); "backward" is the autograd engine entry."""
-        _check_root()
+        check_host("torch op")
         from bcc import BPF
         self.host, self.resolver = host, resolver
         self.ops = frozenset(DEFAULT_OPS if ops is None else ops)
@@ -110,22 +111,18 @@ class TorchTracer:
         except Exception as e:  # bcc raises bare Exception on compile/load failure
             raise TracerUnavailable(f"loading bpf/torch.bpf.c failed ({e}); check that kernel headers exist "
                                     f"at /lib/modules/{os.uname().release}/build") from e
-        try:
-            self._prog = {fn: self.bpf.load_func(fn.encode(), BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI).fd
-                          for fn in ("op_entry", "op_return")}
-        except Exception as e:
-            raise TracerUnavailable(f"this kernel cannot load uprobe_multi programs ({e}); the torch op tracer "
-                                    "needs Linux 6.6 or later") from e
+        self._prog = {fn: load_multi_program(self.bpf, fn, "torch op") for fn in ("op_entry", "op_return")}
         self.op_names: list[str] = sorted(self.ops)  # the BPF cookie is an index into this
         self.pids: dict[int, tuple[str, list[int], list[int]]] = {}  # pid -> (lib, file offsets, cookies)
         self.unavailable: dict[int, str] = {}
         self.enabled = {"ops": True}
-        self._fds: dict[int, list[int]] = {}
+        self.links = LinkSet()  # (pid, "ops") -> the entry and return links
         self._clock = DutyClock(FAMILIES)
         self._prev: dict[str, dict] = {"calls": {}, "ns": {}, "lost": {}}
         self._last_ns = time.time_ns()
 
-    _identity = KernelTracer._identity
+    def _identity(self, pid: int):
+        return identity(self.resolver, self.host, pid)
 
     def families(self) -> dict[str, str]:
         return dict(FAMILIES)
@@ -166,15 +163,17 @@ class TorchTracer:
         if self.enabled[family] == on:
             return
         self.enabled[family] = on
+        if not on:
+            self._clock.set(family, False)
+            self.links.detach([(pid, "ops") for pid in self.pids])  # all processes: one grace period
+            self.bpf[b"stacks"].clear()  # ops entered now will return unseen
+            return
         for pid in list(self.pids):
             try:
-                self._attach(pid) if on else self._detach(pid)
+                self._attach(pid)
             except OSError as e:  # the process exited between polls
-                self._detach(pid)
                 log.debug("torch tracer: pid %d: %s", pid, e)
-        if not on:
-            self.bpf[b"stacks"].clear()  # ops entered now will return unseen
-        self._clock.set(family, on)
+        self._clock.set(family, True)
 
     def hits(self) -> dict[str, int]:
         h = self.bpf[b"hits"]
@@ -184,7 +183,7 @@ class TorchTracer:
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
         interval = max(now_ns - self._last_ns, 0)
         self._last_ns = now_ns
-        frac = self._clock.fractions(interval)["ops"]
+        frac = self._clock.fractions()["ops"]
         calls, ns = {}, {}
         for k, v in self.bpf[b"ops"].items():
             calls[(k.pid, k.op)], ns[(k.pid, k.op)] = v.calls, v.ns
@@ -195,13 +194,14 @@ class TorchTracer:
             self._prev[name] = cur
         rows = []
         for (pid, op), (c, t) in per_op.items():
-            rows += [("torch.ops", op, c, pid, frac), ("torch.op_ns", op, t, pid, frac)]
+            rows += [("torch.ops", op, c, pid, interval, frac), ("torch.op_ns", op, t, pid, interval, frac)]
         lost = {k.value: v.value for k, v in self.bpf[b"lost"].items()}
-        rows += [("torch.lost_events", "all", d, pid, 1.0) for pid, d in diff(self._prev["lost"], lost).items()]
+        rows += [("torch.lost_events", "all", d, pid, interval, 1.0)
+                 for pid, d in diff(self._prev["lost"], lost).items()]
         self._prev["lost"] = lost
         for pid in [p for p in self.pids if not os.path.exists(f"/proc/{p}")]:
             self._forget(pid)  # it exited: its last deltas are in this batch
-        return traced_batch(self.source, self.host, rows, now_ns, interval, self._identity) if rows else None
+        return metric_batch(self.source, self.host, rows, now_ns, interval, self._identity) if rows else None
 
     def close(self) -> None:
         for pid in list(self.pids):
@@ -217,17 +217,13 @@ class TorchTracer:
         self.close()
 
     def _attach(self, pid: int) -> None:
-        if pid in self._fds:
-            return
         lib, offsets, cookies = self.pids[pid]
-        fds: list[int] = []
-        self._fds[pid] = fds
-        fds.append(attach_uprobe_multi(self._prog["op_entry"], lib, offsets, cookies, pid))
-        fds.append(attach_uprobe_multi(self._prog["op_return"], lib, offsets, cookies, pid, retprobe=True))
+        self.links.attach((pid, "ops"), [Link(self._prog["op_entry"], lib, tuple(offsets), tuple(cookies)),
+                                         Link(self._prog["op_return"], lib, tuple(offsets), tuple(cookies),
+                                              retprobe=True)], pid)
 
     def _detach(self, pid: int) -> None:
-        for fd in self._fds.pop(pid, ()):
-            os.close(fd)  # one grace period per link
+        self.links.detach([(pid, "ops")])
 
     def _forget(self, pid: int) -> None:
         self.remove_pid(pid)
