@@ -383,3 +383,57 @@ def test_energy_split_without_utilization_samples_is_equal_and_never_lost():
     assert split_energy(9.0, {}, {1, 2, 3}) == {1: 3.0, 2: 3.0, 3: 3.0}
     assert split_energy(9.0, {1: 0.0}, {1, 2}) == {1: 4.5, 2: 4.5}
     assert split_energy(5.0, {}, set()) == {}
+
+
+# -- batched reads and cadence (cost work) ------------------------------------
+
+def test_a_field_nvml_cannot_batch_falls_back_to_its_getter_without_a_status(scenario, make_sampler):
+    # Field 186 (instantaneous power) answers NOT_SUPPORTED per field, as on a driver that predates it,
+    # while nvmlDeviceGetPowerUsage still answers: the value comes through the getter, nothing is "unsupported".
+    scenario(FULL + f"gpu 0 field_fail {pynvml.NVML_FI_DEV_POWER_INSTANT} NOT_SUPPORTED\n")
+    s = make_sampler()
+    for rows in ticks(s, 3):
+        assert device_rows(rows)[("nvml.power_w", "gpu0")]["value"] == 250.0
+        assert not any("power" in dev for _, dev, _ in statuses(rows))
+    assert s.errors == {}
+
+
+def test_a_failed_field_costs_that_field_only_and_other_errors_are_counted(scenario, make_sampler):
+    scenario(FULL + f"gpu 0 field_fail {FI_NVLINK_RX} UNKNOWN\n")
+    s = make_sampler()
+    second = device_rows(ticks(s, 2)[1])
+    assert ("nvml.nvlink.rx_kib", "gpu0") not in second and second[("nvml.nvlink.tx_kib", "gpu0")]["value"] == 600
+    assert second[("nvml.energy_j", "gpu0")]["value"] == pytest.approx(1.0)
+    assert s.errors == {"nvlink.rx_kib": 2}
+
+
+def test_slow_and_static_groups_are_read_on_their_cadence_and_counters_every_tick(scenario, make_sampler):
+    scenario(FULL + "gpu 0 proc 4242 4096\ngpu 0 putil 4242 50 10\n")
+    s = make_sampler(slow_interval_ns=SEC // 2, static_interval_ns=SEC)
+    out = [device_rows(rows) for rows in ticks(s, 11, step_ns=SEC // 10)]
+    has = lambda metric: [(metric, "gpu0") in d for d in out]  # noqa: E731
+    assert has("nvml.gpu_util") == [True] * 11
+    assert has("nvml.energy_j") == [False] + [True] * 10  # a counter: a delta every tick after the first
+    assert has("nvml.temp_c") == [True, False, False, False, False, True, False, False, False, False, True]
+    assert has("nvml.ecc.corrected_volatile") == [True] + [False] * 9 + [True]
+    assert has("nvml.sm_clock_max_mhz") == has("nvml.mem_total") == has("nvml.ecc.corrected_volatile")
+    assert all(d[("nvml.energy_j", "gpu0")]["interval_ns"] == SEC // 10 for d in out[1:])
+
+
+def test_process_energy_covers_every_tick_since_the_previous_split(scenario, make_sampler):
+    # energy 1000 mJ, then +500 mJ a tick; processes (and the split) every 0.5 s on a 0.1 s tick.
+    scenario("device_count 1\ngpu 0 gpu_util 1\ngpu 0 mem_util 1\n"
+             "gpu 0 energy_mj " + " ".join(str(1000 + 500 * i) for i in range(12)) + "\n"
+             "gpu 0 proc 4242 4096\ngpu 0 proc 4343 4096\ngpu 0 putil 4242 30 1\ngpu 0 putil 4343 10 1\n")
+    s = make_sampler(resolver=FakeResolver({4242: ("acme", "train", 0), 4343: ("beta", "infer", 1)}),
+                     slow_interval_ns=SEC // 2)
+    out = ticks(s, 11, step_ns=SEC // 10)
+    splits = [[r for r in rows if r["metric"] == "nvml.proc_energy_j"] for rows in out]
+    assert [bool(x) for x in splits] == [False] * 5 + [True] + [False] * 4 + [True]
+    for rows in (splits[5], splits[10]):
+        by_tenant = {r["tenant"]: r for r in rows}
+        # 5 ticks x 0.5 J = 2.5 J over 0.5 s, split 30:10
+        assert by_tenant["acme"]["value"] == pytest.approx(1.875) and by_tenant["beta"]["value"] == pytest.approx(0.625)
+        assert by_tenant["acme"]["interval_ns"] == SEC // 2 and by_tenant["beta"]["rank"] == 1
+    device_energy = sum(r["value"] for rows in out for r in rows if r["metric"] == "nvml.energy_j")
+    assert sum(r["value"] for rows in splits for r in rows) == pytest.approx(device_energy)

@@ -5,12 +5,16 @@ NvmlSampler (sampler.py) builds one "nvml" batch per tick; XidWatcher
 
 Metrics, device "gpu<N>" unless noted. Gauges have interval_ns 0; deltas
 carry the interval since the previous sample (none on the first sample or
-after a counter reset).
+after a counter reset). Not every metric is read every tick: utilization,
+memory used, clocks, throttle reasons, power, GPM and every counter are;
+temperature, PCIe throughput and the per-process rows once a second; memory
+total, max clocks, ECC and remapped rows every 10 s (device_metrics.py has
+the cadence table; NvmlSampler's *_interval_ns arguments set it).
 
   per device (node identity, gpu = N)
     nvml.gpu_util, nvml.mem_util                  % (NVML utilization rates)
     nvml.mem_used, nvml.mem_total                 bytes
-    nvml.power_w                                  W
+    nvml.power_w                                  W, instantaneous (field value; getter as fallback)
     nvml.energy_j                                 J, delta of the total-energy counter
     nvml.temp_c                                   deg C
     nvml.sm_clock_mhz, nvml.sm_clock_max_mhz      MHz
@@ -32,10 +36,12 @@ after a counter reset).
     nvml.ofu                                      %, tensor activity x SM clock / max (see gpm.py)
   per process (the resolver's identity, pid, gpu = N)
     nvml.proc_mem_used                            bytes
-    nvml.proc_sm_util, nvml.proc_mem_util         %
+    nvml.proc_sm_util, nvml.proc_mem_util         %, mean of NVML's samples since the previous read
+    nvml.proc_energy_j                            J, the device energy since the previous split, shared by SM util
   status (node identity)
     nvml.status        device "library" | "init" | "no_gpu" | "events", value 0
-    nvml.unsupported   device "gpu<N>:<field>", value 1
+    nvml.unsupported   device "gpu<N>:<field>", value 1 (fields: power, energy, pcie_replay,
+                       nvlink.<name>, ecc.<kind>, remapped_rows.<kind>, temperature, ...)
     nvml.gpu_lost      device "gpu<N>", value 1
   events (XidWatcher)
     nvml.xid (value = Xid code), nvml.event.dbe_ecc, nvml.event.clock_change

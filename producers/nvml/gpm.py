@@ -25,6 +25,9 @@ Its limits:
 """
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pynvml
 
 # (metric id, name). Percentages are 0..100, rates MiB/s; all are averages over
@@ -60,44 +63,64 @@ def ofu_percent(tensor_util: float, sm_clock: float, sm_clock_max: float) -> flo
     return tensor_util * min(sm_clock / sm_clock_max, 1.0)
 
 
+_METRIC_DTYPE = np.dtype({"names": ["nvmlReturn", "value"], "formats": ["<u4", "<f8"], "offsets": [4, 8],
+                          "itemsize": ctypes.sizeof(pynvml.c_nvmlGpmMetric_t)})
+_METRICS_OFFSET = pynvml.c_nvmlGpmMetricsGet_t.metrics.offset
+
+
 class GpmReader:
-    """Two GPM sample buffers for one device; `read` yields metrics between ticks."""
+    """Two GPM sample buffers for one device; `read` yields metrics between ticks.
+
+    The request struct (19 KB: room for every GPM metric) is built once and
+    reused; its results are read through a numpy view of the same memory.
+    """
 
     def __init__(self, handle):
         self.handle = handle
         self.metrics = list(GPM_METRICS)  # shrinks as metrics prove unsupported
         self._prev = None
         self._cur = None
+        self._build()
 
-    def read(self) -> tuple[dict[str, float], list[tuple[str, int]]]:
-        """({metric: value}, [(metric, nvmlReturn) for each that failed]).
+    def _build(self) -> None:
+        request = self._request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(self.metrics)
+        for i, (metric_id, _) in enumerate(self.metrics):
+            request.metrics[i].metricId = metric_id
+        self._view = np.frombuffer(request, dtype=_METRIC_DTYPE, count=len(self.metrics), offset=_METRICS_OFFSET)
+        self._names = [name for _, name in self.metrics]
+        self._fn = None
+
+    def read(self) -> tuple[list[str], list[float], list[tuple[str, int]]]:
+        """(metric names, values, [(metric, nvmlReturn) for each that failed]).
 
         Raises NVMLError when a sample cannot be taken; the next read starts over.
         """
         if self._prev is None:
             self._prev, self._cur = pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()
             self._take(self._prev)
-            return {}, []
+            return [], [], []
         self._take(self._cur)
-        request = pynvml.c_nvmlGpmMetricsGet_t()
-        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(self.metrics)
+        request = self._request
         request.sample1, request.sample2 = self._prev, self._cur
-        for i, (metric_id, _) in enumerate(self.metrics):
-            request.metrics[i].metricId = metric_id
-        pynvml.nvmlGpmMetricsGet(request)
+        if self._fn is None:
+            self._fn = pynvml._nvmlGetFunctionPointer("nvmlGpmMetricsGet")
+        ret = self._fn(ctypes.byref(request))
         self._prev, self._cur = self._cur, self._prev  # this sample starts the next interval
-        values, failed = {}, []
-        for i, (_, name) in enumerate(self.metrics):
-            m = request.metrics[i]
-            if m.nvmlReturn == pynvml.NVML_SUCCESS:
-                values[name] = float(m.value)
-            else:
-                failed.append((name, m.nvmlReturn))
-        return values, failed
+        if ret:
+            raise pynvml.NVMLError(ret)
+        rets = self._view["nvmlReturn"]
+        if not rets.any():
+            return self._names, self._view["value"].tolist(), []
+        ok = rets == pynvml.NVML_SUCCESS
+        names = [n for n, good in zip(self._names, ok.tolist()) if good]
+        failed = [(n, int(r)) for n, r in zip(self._names, rets.tolist()) if r != pynvml.NVML_SUCCESS]
+        return names, self._view["value"][ok].tolist(), failed
 
     def drop(self, name: str) -> None:
         self.metrics = [(mid, n) for mid, n in self.metrics if n != name]
+        self._build()
 
     def _take(self, sample) -> None:
         try:

@@ -22,61 +22,121 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import pynvml
 
-from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
+from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS, node_identity
 from fleetscope.wire import Batch, StrColumn
-from producers.nvml.device_metrics import DEVICE_FIELDS, NVLINK_FIELDS, SLOW_FIELDS, Reading, read_nvlink
+from producers.nvml.calls import DeviceCalls, EntryPoints
+from producers.nvml.device_metrics import STATIC_FIELDS, THROTTLE_METRICS, TICK_FIELDS, decode_throttle
 from producers.nvml.energy import split_energy
+from producers.nvml.field_batch import FieldBatch
 from producers.nvml.gpm import TENSOR_METRIC, GpmReader, gpm_supported, ofu_percent
 from producers.nvml.library import NvmlUnavailable, close_nvml, open_nvml
 
 log = logging.getLogger(__name__)
 
 _UNSUPPORTED = {pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
+# A field id this driver does not know comes back as INVALID_ARGUMENT: for a field, that is "unsupported".
+_FIELD_UNSUPPORTED = _UNSUPPORTED | {pynvml.NVML_ERROR_INVALID_ARGUMENT}
+_DUE_SLACK = 0.95  # a group is due once 95% of its interval has passed (tick jitter)
+
+# Cadence groups (see device_metrics.py).
+TICK, SLOW, STATIC, PCIE = "tick", "slow", "static", "pcie"
 
 
-class _Row(NamedTuple):
-    metric: str
-    device: str
-    value: float
-    interval_ns: int
-    gpu: int
-    pid: int = 0
-    tenant: str | None = None  # None: the node identity
-    job: str | None = None
-    rank: int = NO_RANK
+def _one(metric: str, read):
+    return lambda c: ((metric,), (float(read(c)),))
+
+
+# Single-call readings: (name, cadence group, reader(calls) -> (metrics, values)).
+# Utilization comes first: it is the cheapest call, and the first to report a
+# GPU that has fallen off the bus.
+GETTERS = (
+    ("utilization", TICK, lambda c: (("nvml.gpu_util", "nvml.mem_util"), c.utilization())),
+    ("memory", TICK, lambda c: (("nvml.mem_used",), c.memory()[:1])),
+    ("sm_clock", TICK, _one("nvml.sm_clock_mhz", lambda c: c.clock(pynvml.NVML_CLOCK_SM))),
+    ("mem_clock", TICK, _one("nvml.mem_clock_mhz", lambda c: c.clock(pynvml.NVML_CLOCK_MEM))),
+    ("throttle", TICK, lambda c: (THROTTLE_METRICS, decode_throttle(c.throttle()))),
+    ("temperature", SLOW, _one("nvml.temp_c",
+                               lambda c: c.uint("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU))),
+    ("memory_total", STATIC, lambda c: (("nvml.mem_total",), c.memory()[1:])),
+    ("sm_clock_max", STATIC, _one("nvml.sm_clock_max_mhz",
+                                  lambda c: c.uint("nvmlDeviceGetMaxClockInfo", pynvml.NVML_CLOCK_SM))),
+    ("mem_clock_max", STATIC, _one("nvml.mem_clock_max_mhz",
+                                   lambda c: c.uint("nvmlDeviceGetMaxClockInfo", pynvml.NVML_CLOCK_MEM))),
+    ("pcie_tx", PCIE, _one("nvml.pcie_tx_kbps",
+                           lambda c: c.uint("nvmlDeviceGetPcieThroughput", pynvml.NVML_PCIE_UTIL_TX_BYTES))),
+    ("pcie_rx", PCIE, _one("nvml.pcie_rx_kbps",
+                           lambda c: c.uint("nvmlDeviceGetPcieThroughput", pynvml.NVML_PCIE_UTIL_RX_BYTES))),
+)
 
 
 @dataclass
 class _Device:
     index: int
-    handle: object
+    calls: DeviceCalls | None
     lost: bool = False
     unsupported: set[str] = field(default_factory=set)
-    counters: dict[str, tuple[float, int]] = field(default_factory=dict)  # metric -> (value, ts_ns)
-    nvlink: list = field(default_factory=lambda: list(NVLINK_FIELDS))
+    fields: dict = field(default_factory=dict)  # cadence group -> FieldBatch
     gpm: GpmReader | None = None
-    last_slow_ns: int | None = None
+    sm_clock: float | None = None      # this tick's, for OFU
+    sm_clock_max: float | None = None  # kept between static reads, for OFU
+    energy_j: float = 0.0              # device energy since the last per-process split
+    energy_ns: int = 0                 # ... and the time those deltas cover
     last_putil_us: int = 0  # NVML's lastSeenTimeStamp for process-utilization samples
 
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = f"gpu{self.index}"
+
     @property
-    def label(self) -> str:
-        return f"gpu{self.index}"
+    def handle(self):
+        return self.calls.handle if self.calls is not None else None
+
+
+class _Rows:
+    """One tick's rows as columns: node-identity rows, then per-process rows."""
+
+    __slots__ = ("metric", "device", "value", "interval", "gpu", "procs")
+
+    def __init__(self):
+        self.metric, self.device, self.value, self.interval, self.gpu = [], [], [], [], []
+        self.procs: list[tuple] = []  # (metric, device, value, interval_ns, gpu, pid, tenant, job, rank)
+
+    def add(self, metric: str, device: str, value: float, interval_ns: int, gpu: int) -> None:
+        self.metric.append(metric)
+        self.device.append(device)
+        self.value.append(value)
+        self.interval.append(interval_ns)
+        self.gpu.append(gpu)
+
+    def extend(self, dev: _Device, metrics, values, intervals=None) -> None:
+        n = len(metrics)
+        self.metric += metrics
+        self.value += values
+        self.interval += intervals if intervals is not None else [0] * n
+        self.device += [dev.label] * n
+        self.gpu += [dev.index] * n
+
+    def __len__(self) -> int:
+        return len(self.metric) + len(self.procs)
 
 
 class NvmlSampler:
     def __init__(self, host: str, resolver=None, library_path: str | None = None,
-                 pcie_min_interval_ns: int = 1_000_000_000):
+                 pcie_min_interval_ns: int = 1_000_000_000, slow_interval_ns: int = 1_000_000_000,
+                 static_interval_ns: int = 10_000_000_000):
         self.host = host
         self.resolver = resolver
-        self.pcie_min_interval_ns = int(pcie_min_interval_ns)
+        self.intervals = {TICK: 0, SLOW: int(slow_interval_ns), STATIC: int(static_interval_ns),
+                          PCIE: int(pcie_min_interval_ns)}
         self.errors: dict[str, int] = {}
-        self._pending: list[_Row] = []  # status rows for the next batch
+        self._pending: list[tuple] = []  # status rows for the next batch: (metric, device, value, gpu)
         self._devices: list[_Device] = []
+        self._last_read: dict[str, int] = {}  # cadence group -> ns of its last read
         self._active = False
         self._opened = False
         try:
@@ -95,33 +155,41 @@ class NvmlSampler:
             log.warning("NVML sees no GPU on %s; GPU telemetry is off (is this a GPU node?)", host)
             self._status("nvml.status", "no_gpu", 0.0)
             return
+        entry = EntryPoints()
         for index in range(count):
-            self._open_device(index)
+            self._open_device(index, entry)
         self._active = True
 
-    def _open_device(self, index: int) -> None:
+    def _open_device(self, index: int, entry: EntryPoints) -> None:
         try:
-            dev = _Device(index, pynvml.nvmlDeviceGetHandleByIndex(index))
+            calls = DeviceCalls(pynvml.nvmlDeviceGetHandleByIndex(index), entry)
         except pynvml.NVMLError as exc:
             dev = _Device(index, None)
             self._on_error(dev, "handle", exc)
             if not dev.lost:
                 log.error("GPU %d has no NVML handle (%s); it will not be sampled", index, exc)
             return
+        dev = _Device(index, calls)
+        for group, specs in ((TICK, TICK_FIELDS), (STATIC, STATIC_FIELDS)):
+            try:
+                dev.fields[group] = FieldBatch(specs, entry)
+            except pynvml.NVMLError as exc:  # no nvmlDeviceGetFieldValues at all: an old driver
+                self._on_error(dev, f"fields.{group}", exc)
         self._devices.append(dev)
 
     def sample(self, now_ns: int | None = None) -> Batch | None:
         """One batch of every GPU's readings at now_ns, or None if there are none."""
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
-        rows: list[_Row] = []
+        rows = _Rows()
         if self._active:
             identities: dict[int, tuple] = {}
+            due = self._due(now_ns)
             for dev in self._devices:
                 if not dev.lost:
-                    self._sample_device(dev, now_ns, rows, identities)
+                    self._sample_device(dev, now_ns, due, rows, identities)
         # Status found during this tick (and at start-up) leads this tick's batch.
-        rows, self._pending = self._pending + rows, []
-        return _batch(self.host, rows, now_ns) if rows else None
+        pending, self._pending = self._pending, []
+        return _batch(self.host, pending, rows, now_ns) if (rows or pending) else None
 
     def close(self) -> None:
         for dev in self._devices:
@@ -134,38 +202,75 @@ class NvmlSampler:
 
     # -- one device --------------------------------------------------------
 
-    def _sample_device(self, dev: _Device, now_ns: int, rows: list[_Row], identities: dict) -> None:
-        values: dict[str, float] = {}  # this tick's gauges, for OFU
-        slow_due = dev.last_slow_ns is None or now_ns - dev.last_slow_ns >= self.pcie_min_interval_ns
-        for name, reader in DEVICE_FIELDS:
-            if name in dev.unsupported or (name in SLOW_FIELDS and not slow_due):
+    def _due(self, now_ns: int) -> dict[str, bool]:
+        """Which cadence groups this tick reads (the same for every GPU)."""
+        due = {}
+        for group, interval in self.intervals.items():
+            last = self._last_read.get(group)
+            due[group] = last is None or now_ns - last >= interval * _DUE_SLACK
+            if due[group]:
+                self._last_read[group] = now_ns
+        return due
+
+    def _sample_device(self, dev: _Device, now_ns: int, due: dict, rows: _Rows, identities: dict) -> None:
+        dev.sm_clock = None
+        calls, unsupported = dev.calls, dev.unsupported
+        metrics: list[str] = []
+        values: list[float] = []
+        for name, group, reader in GETTERS:
+            if name in unsupported or not due[group]:
                 continue
-            readings = self._call(dev, name, reader, dev.handle)
-            if dev.lost:
-                return
-            for r in readings or ():
-                self._emit(dev, r, now_ns, rows, values)
-        if slow_due:
-            dev.last_slow_ns = now_ns
-        if dev.nvlink and "nvlink" not in dev.unsupported:
-            self._sample_nvlink(dev, now_ns, rows, values)
-        if not dev.lost and "gpm" not in dev.unsupported:
-            self._sample_gpm(dev, rows, values)
-        if not dev.lost:
-            start = len(rows)
+            try:
+                names, got = reader(calls)
+            except pynvml.NVMLError as exc:
+                self._on_error(dev, name, exc)
+                if dev.lost:
+                    return
+                continue
+            except Exception:  # a decoding bug or a pynvml/driver mismatch must not stop the others
+                self._count_bug(dev, name)
+                continue
+            metrics += names
+            values += got
+            if name == "sm_clock":
+                dev.sm_clock = got[0]
+            elif name == "sm_clock_max":
+                dev.sm_clock_max = got[0]
+        rows.extend(dev, metrics, values)
+        for group, batch in dev.fields.items():
+            if due[group] and len(batch):
+                self._sample_fields(dev, group, batch, now_ns, rows)
+                if dev.lost:
+                    return
+        if "gpm" not in unsupported:
+            self._sample_gpm(dev, rows)
+        if due[SLOW] and not dev.lost:
             self._sample_processes(dev, rows, identities)
-            self._attribute_energy(dev, rows, start, identities)
 
-    def _sample_nvlink(self, dev, now_ns, rows, values) -> None:
-        result = self._call(dev, "nvlink", read_nvlink, dev.handle, dev.nvlink)
-        if result is None:
+    def _sample_fields(self, dev: _Device, group: str, batch: FieldBatch, now_ns: int, rows: _Rows) -> None:
+        try:
+            values, rets = batch.read(dev.calls)
+        except pynvml.NVMLError as exc:
+            self._on_error(dev, f"fields.{group}", exc)
             return
-        readings, failed = result
-        self._report_failed(dev, failed, dev.nvlink.remove, lambda f: f"nvlink.{f.name}")
-        for r in readings:
-            self._emit(dev, r, now_ns, rows, values)
+        metrics, out, intervals = batch.rows(values, rets, now_ns)
+        rows.extend(dev, metrics, out, intervals)
+        if group == TICK and "nvml.energy_j" in metrics:
+            k = metrics.index("nvml.energy_j")
+            dev.energy_j += out[k]
+            dev.energy_ns += intervals[k]
+        if any(rets):
+            dropped = set()
+            for i in [i for i, code in enumerate(rets) if code]:
+                code, name = rets[i], batch.specs[i].name
+                if code in _FIELD_UNSUPPORTED:
+                    dropped.add(name)
+                    code = pynvml.NVML_ERROR_NOT_SUPPORTED
+                self._on_error(dev, name, pynvml.NVMLError(code))
+            if dropped:
+                batch.drop(dropped)
 
-    def _sample_gpm(self, dev, rows, values) -> None:
+    def _sample_gpm(self, dev: _Device, rows: _Rows) -> None:
         if dev.gpm is None:
             supported = self._call(dev, "gpm", gpm_supported, dev.handle)
             if supported is None:  # an NVMLError, already handled
@@ -177,55 +282,63 @@ class NvmlSampler:
         result = self._call(dev, "gpm", dev.gpm.read)
         if result is None:
             return
-        gpm_values, failed = result
-        self._report_failed(dev, failed, dev.gpm.drop, lambda name: name.removeprefix("nvml."))
-        for name, value in gpm_values.items():
-            rows.append(_Row(name, dev.label, value, 0, dev.index))
-        if TENSOR_METRIC in gpm_values and "nvml.sm_clock_mhz" in values and "nvml.sm_clock_max_mhz" in values:
-            ofu = ofu_percent(gpm_values[TENSOR_METRIC], values["nvml.sm_clock_mhz"], values["nvml.sm_clock_max_mhz"])
+        names, values, failed = result
+        for name, code in failed:
+            if code in _UNSUPPORTED:
+                dev.gpm.drop(name)
+            self._on_error(dev, name.removeprefix("nvml."), pynvml.NVMLError(code))
+        if not names:
+            return
+        rows.extend(dev, names, values)
+        if TENSOR_METRIC in names and dev.sm_clock is not None and dev.sm_clock_max is not None:
+            ofu = ofu_percent(values[names.index(TENSOR_METRIC)], dev.sm_clock, dev.sm_clock_max)
             if ofu is not None:
-                rows.append(_Row("nvml.ofu", dev.label, ofu, 0, dev.index))
+                rows.add("nvml.ofu", dev.label, ofu, 0, dev.index)
 
-    def _sample_processes(self, dev, rows, identities) -> None:
+    def _sample_processes(self, dev: _Device, rows: _Rows, identities: dict) -> None:
+        """Process memory and utilization, then this interval's energy split over them (slow cadence)."""
         procs = self._call(dev, "processes", pynvml.nvmlDeviceGetComputeRunningProcesses, dev.handle) \
             if "processes" not in dev.unsupported else None
+        present: set[int] = set()
         for p in procs or ():
+            present.add(p.pid)
             if p.usedGpuMemory is not None:  # None: the driver cannot attribute memory (WDDM)
-                rows.append(self._proc_row("nvml.proc_mem_used", dev, p.pid, float(p.usedGpuMemory), identities))
-        if "process_util" in dev.unsupported:
+                self._proc_row(rows, "nvml.proc_mem_used", dev, p.pid, float(p.usedGpuMemory), 0, identities)
+        util: dict[int, float] = {}
+        samples = None
+        if "process_util" not in dev.unsupported:
+            samples = self._call(dev, "process_util", _process_samples, dev.handle, dev.last_putil_us)
+        if dev.lost:
             return
-        samples = self._call(dev, "process_util", _process_samples, dev.handle, dev.last_putil_us)
-        if dev.lost or not samples:
-            return
-        latest: dict[int, object] = {}  # NVML may hold several samples per pid; keep the newest
-        for s in samples:
-            if s.pid not in latest or s.timeStamp > latest[s.pid].timeStamp:
-                latest[s.pid] = s
-        dev.last_putil_us = max(s.timeStamp for s in samples)
-        for pid, s in latest.items():
-            rows.append(self._proc_row("nvml.proc_sm_util", dev, pid, float(s.smUtil), identities))
-            rows.append(self._proc_row("nvml.proc_mem_util", dev, pid, float(s.memUtil), identities))
+        if samples:
+            # NVML holds several samples per pid between slow reads: average them over the interval.
+            sums: dict[int, list[float]] = {}
+            for s in samples:
+                acc = sums.setdefault(s.pid, [0.0, 0.0, 0])
+                acc[0] += s.smUtil
+                acc[1] += s.memUtil
+                acc[2] += 1
+            dev.last_putil_us = max(s.timeStamp for s in samples)
+            for pid, (sm, mem, n) in sums.items():
+                util[pid] = sm / n
+                self._proc_row(rows, "nvml.proc_sm_util", dev, pid, sm / n, 0, identities)
+                self._proc_row(rows, "nvml.proc_mem_util", dev, pid, mem / n, 0, identities)
+        self._attribute_energy(dev, rows, util, present, identities)
 
-    def _attribute_energy(self, dev: _Device, rows: list[_Row], proc_start: int, identities: dict) -> None:
-        """nvml.proc_energy_j: this tick's device energy split over its processes (see energy.py)."""
-        energy = next((r for r in rows if r.metric == "nvml.energy_j" and r.gpu == dev.index), None)
-        if energy is None:
+    def _attribute_energy(self, dev: _Device, rows: _Rows, util: dict, present: set, identities: dict) -> None:
+        """nvml.proc_energy_j: the device energy since the last split, over its processes (see energy.py).
+
+        The split runs at the process cadence, so each row covers the energy
+        deltas summed since the previous split and carries their total interval.
+        """
+        joules, interval_ns = dev.energy_j, dev.energy_ns
+        dev.energy_j, dev.energy_ns = 0.0, 0
+        if interval_ns <= 0:
             return
-        procs = rows[proc_start:]
-        util = {r.pid: r.value for r in procs if r.metric == "nvml.proc_sm_util"}
-        present = {r.pid for r in procs}
-        for pid, joules in split_energy(energy.value, util, present).items():
-            row = self._proc_row("nvml.proc_energy_j", dev, pid, joules, identities)
-            rows.append(row._replace(interval_ns=energy.interval_ns))
+        for pid, share in split_energy(joules, util, present).items():
+            self._proc_row(rows, "nvml.proc_energy_j", dev, pid, share, interval_ns, identities)
 
     # -- bookkeeping -------------------------------------------------------
-
-    def _report_failed(self, dev: _Device, failed, drop, field_name) -> None:
-        """Per-field failures of a multi-field read: stop asking for what is unsupported, report each."""
-        for key, code in failed:
-            if code in _UNSUPPORTED:
-                drop(key)
-            self._on_error(dev, field_name(key), pynvml.NVMLError(code))
 
     def _call(self, dev: _Device, name: str, fn, *args):
         """fn(*args), or None after handling its NVMLError."""
@@ -234,10 +347,13 @@ class NvmlSampler:
         except pynvml.NVMLError as exc:
             self._on_error(dev, name, exc)
         except Exception:  # a decoding bug or a pynvml/driver mismatch must not stop the other fields or GPUs
-            count = self.errors[name] = self.errors.get(name, 0) + 1
-            if count == 1:
-                log.exception("NVML field %r on GPU %d failed; skipped while it keeps failing", name, dev.index)
+            self._count_bug(dev, name)
         return None
+
+    def _count_bug(self, dev: _Device, name: str) -> None:
+        count = self.errors[name] = self.errors.get(name, 0) + 1
+        if count == 1:
+            log.exception("NVML field %r on GPU %d failed; skipped while it keeps failing", name, dev.index)
 
     def _on_error(self, dev: _Device, name: str, exc: pynvml.NVMLError) -> None:
         code = exc.value
@@ -262,25 +378,14 @@ class NvmlSampler:
         self._status("nvml.unsupported", f"{dev.label}:{name}", 1.0, gpu=dev.index)
 
     def _status(self, metric: str, device: str, value: float, gpu: int = NO_GPU) -> None:
-        self._pending.append(_Row(metric, device, value, 0, gpu))
+        self._pending.append((metric, device, value, gpu))
 
-    def _emit(self, dev: _Device, r: Reading, now_ns: int, rows: list[_Row], values: dict) -> None:
-        if r.counter_scale is None:
-            values[r.metric] = float(r.value)
-            rows.append(_Row(r.metric, dev.label, float(r.value), 0, dev.index))
-            return
-        prev = dev.counters.get(r.metric)
-        dev.counters[r.metric] = (float(r.value), now_ns)
-        # First sample, a counter that went backwards (driver reload, reset), or no time passed: no delta.
-        if prev is not None and r.value >= prev[0] and now_ns > prev[1]:
-            rows.append(_Row(r.metric, dev.label, (r.value - prev[0]) * r.counter_scale, now_ns - prev[1], dev.index))
-
-    def _proc_row(self, metric: str, dev: _Device, pid: int, value: float, identities: dict) -> _Row:
+    def _proc_row(self, rows: _Rows, metric: str, dev: _Device, pid: int, value: float, interval_ns: int,
+                  identities: dict) -> None:
         ident = identities.get(pid)
         if ident is None:
             ident = identities[pid] = self._resolve(pid)
-        tenant, job, rank = ident
-        return _Row(metric, dev.label, value, 0, dev.index, pid, tenant, job, rank)
+        rows.procs.append((metric, dev.label, value, interval_ns, dev.index, pid) + ident)
 
     def _resolve(self, pid: int) -> tuple:
         if self.resolver is None:
@@ -304,24 +409,38 @@ def _process_samples(handle, last_seen_us: int) -> list:
         return []  # NVML's way of saying it holds no samples newer than last_seen_us
 
 
-def _batch(host: str, rows: list[_Row], now_ns: int) -> Batch:
-    n = len(rows)
-    columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"),
-               "tenant": _str_column([r.tenant or NODE_TENANT for r in rows]),
-               "job": _str_column([r.job or host for r in rows]),
-               "rank": np.fromiter((r.rank for r in rows), dtype="<i4", count=n),
-               "pid": np.fromiter((r.pid for r in rows), dtype="<i4", count=n),
-               "gpu": np.fromiter((r.gpu for r in rows), dtype="<i2", count=n),
-               "metric": _str_column([r.metric for r in rows]),
-               "device": _str_column([r.device for r in rows]),
-               "value": np.fromiter((r.value for r in rows), dtype="<f8", count=n),
-               "interval_ns": np.fromiter((r.interval_ns for r in rows), dtype="<i8", count=n)}
+def _batch(host: str, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
+    """Columns straight from the row lists: status rows, device rows, then process rows."""
+    metric, device, value, interval, gpu = rows.metric, rows.device, rows.value, rows.interval, rows.gpu
+    if pending:
+        metric = [p[0] for p in pending] + metric
+        device = [p[1] for p in pending] + device
+        value = [p[2] for p in pending] + value
+        interval = [0] * len(pending) + interval
+        gpu = [p[3] for p in pending] + gpu
+    n_node, procs = len(metric), rows.procs
+    n = n_node + len(procs)
+    if not procs:
+        columns = node_identity(host, n)
+    else:
+        metric, device, value, interval, gpu = (
+            metric + [p[0] for p in procs], device + [p[1] for p in procs], value + [p[2] for p in procs],
+            interval + [p[3] for p in procs], gpu + [p[4] for p in procs])
+        columns = {"tenant": _str_column([NODE_TENANT] * n_node + [p[6] or NODE_TENANT for p in procs]),
+                   "job": _str_column([host] * n_node + [p[7] or host for p in procs]),
+                   "rank": np.array([NO_RANK] * n_node + [p[8] for p in procs], dtype="<i4"),
+                   "pid": np.array([0] * n_node + [p[5] for p in procs], dtype="<i4")}
+    columns.update({"ts_ns": np.full(n, now_ns, dtype="<i8"), "gpu": np.array(gpu, dtype="<i2"),
+                    "metric": _str_column(metric), "device": _str_column(device),
+                    "value": np.array(value, dtype="<f8"), "interval_ns": np.array(interval, dtype="<i8")})
     # Schema order, and a KeyError here (not in a consumer) if the schema grows a column.
     return Batch(source="nvml", host=host, created_ns=now_ns,
                  columns={name: columns[name] for name in SOURCE_COLUMNS["nvml"]})
 
 
 def _str_column(items: list[str]) -> StrColumn:
-    index: dict[str, int] = {}
-    codes = np.fromiter((index.setdefault(s, len(index)) for s in items), dtype=np.uint32, count=len(items))
-    return StrColumn(codes, tuple(index))
+    # Dictionary in first-seen order, then one C-level dict lookup per row.
+    values = tuple(dict.fromkeys(items))
+    index = {s: i for i, s in enumerate(values)}
+    codes = np.fromiter(map(index.__getitem__, items), dtype=np.uint32, count=len(items))
+    return StrColumn(codes, values)

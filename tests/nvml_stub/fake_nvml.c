@@ -52,6 +52,7 @@ struct nvmlDevice_st {
     int nputil; struct { unsigned pid, sm, mem; } putil[MAX_ITEMS];
     int nfield; keyed_series field[MAX_ITEMS];
     int ngpm; keyed_series gpm[MAX_ITEMS];
+    int nfield_fail; struct { unsigned id; int code; } field_fail[MAX_ITEMS];
     int nxid, next_xid; unsigned long long xid[MAX_ITEMS];
     unsigned long long registered;
 };
@@ -109,7 +110,11 @@ static void scenario_line(char *line) {
     char *rest = strtok(NULL, "\n");
     if (!rest) rest = "";
     if (!strcmp(what, "lost_after")) d->lost_after = atoi(rest);
-    else if (!strcmp(what, "xid") && d->nxid < MAX_ITEMS) d->xid[d->nxid++] = strtoull(rest, NULL, 10);
+    else if (!strcmp(what, "field_fail") && d->nfield_fail < MAX_ITEMS) {
+        char err[64];
+        if (sscanf(rest, "%u %63s", &d->field_fail[d->nfield_fail].id, err) == 2)
+            d->field_fail[d->nfield_fail++].code = error_code(err);
+    } else if (!strcmp(what, "xid") && d->nxid < MAX_ITEMS) d->xid[d->nxid++] = strtoull(rest, NULL, 10);
     else if (!strcmp(what, "proc") && d->nproc < MAX_ITEMS) {
         sscanf(rest, "%u %lf", &d->proc[d->nproc].pid, &d->proc[d->nproc].mem); d->nproc++;
     } else if (!strcmp(what, "putil") && d->nputil < MAX_ITEMS) {
@@ -276,18 +281,44 @@ int nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample
     return OK;
 }
 
+/* Field ids that read a value key, so `gpu 0 power_mw ...` and `gpu 0 fail power_mw ...` script the
+ * getter and the field alike. `field <id>` lines script any other id (NVLink). */
+static const struct { unsigned id; int key; unsigned type; } FIELD_KEYS[] = {
+    {3, K_ECC_CV, 3}, {4, K_ECC_UV, 3}, {5, K_ECC_CA, 3}, {6, K_ECC_UA, 3},  /* ECC SBE/DBE vol/agg totals */
+    {83, K_ENERGY_MJ, 3}, {94, K_PCIE_REPLAY, 1},                         /* total energy, PCIe replays */
+    {142, K_REMAP_CORR, 1}, {143, K_REMAP_UNC, 1}, {144, K_REMAP_PENDING, 1}, {145, K_REMAP_FAILURE, 1},
+    {186, K_POWER_MW, 1}};                                                /* instantaneous power */
+
+/* One entry: its own nvmlReturn; the call itself succeeds (real NVML's per-field semantics). */
+static void field_value(nvmlDevice_t d, nvmlFieldValue_t *v) {
+    v->nvmlReturn = E_NOT_SUPPORTED;
+    v->value.ullVal = 0;
+    for (int j = 0; j < d->nfield_fail; j++)
+        if (d->field_fail[j].id == v->fieldId) { v->nvmlReturn = (unsigned)d->field_fail[j].code; return; }
+    for (int j = 0; j < d->nfield; j++)
+        if (d->field[j].id == v->fieldId) {
+            v->nvmlReturn = OK;
+            v->valueType = 3; /* NVML_VALUE_TYPE_UNSIGNED_LONG_LONG */
+            v->value.ullVal = (unsigned long long)next_value(&d->field[j].s);
+            return;
+        }
+    for (size_t k = 0; k < sizeof FIELD_KEYS / sizeof *FIELD_KEYS; k++)
+        if (FIELD_KEYS[k].id == v->fieldId) {
+            int key = FIELD_KEYS[k].key;
+            if (d->fail[key]) { v->nvmlReturn = (unsigned)d->fail[key]; return; }
+            if (d->val[key].n == 0) return; /* unscripted: this GPU lacks it */
+            double x = next_value(&d->val[key]);
+            v->nvmlReturn = OK;
+            v->valueType = FIELD_KEYS[k].type; /* 1 UNSIGNED_INT, 3 UNSIGNED_LONG_LONG */
+            if (v->valueType == 1) v->value.uiVal = (unsigned)x; else v->value.ullVal = (unsigned long long)x;
+            return;
+        }
+}
+
 int nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldValue_t *values) {
     int r = check(d, K_FIELDS);
     if (r != OK) return r;
-    for (int i = 0; i < count; i++) {
-        values[i].nvmlReturn = E_NOT_SUPPORTED; /* per-field result; the call itself succeeds */
-        for (int j = 0; j < d->nfield; j++)
-            if (d->field[j].id == values[i].fieldId) {
-                values[i].nvmlReturn = OK;
-                values[i].valueType = 3; /* NVML_VALUE_TYPE_UNSIGNED_LONG_LONG */
-                values[i].value.ullVal = (unsigned long long)next_value(&d->field[j].s);
-            }
-    }
+    for (int i = 0; i < count; i++) field_value(d, &values[i]);
     return OK;
 }
 
