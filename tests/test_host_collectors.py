@@ -458,7 +458,9 @@ def test_real_host_sampler_batch_validates_and_survives_the_wire():
     assert sampler.collector_errors == {}
     schema.validate(batch)
     metrics = set(batch.columns["metric"].values)
-    assert {"cpu.user", "mem.total", "net.rx_bytes", "cpu.procs_running"} <= metrics
+    assert {"cpu.user", "net.rx_bytes", "cpu.procs_running"} <= metrics
+    # meminfo runs once a second (Collector.cadence_ns): in the first batch, not in one 50 ms later.
+    assert "mem.total" in set(first.columns["metric"].values) and "mem.total" not in metrics
     assert len(batch.columns["metric"].values) == len(metrics), "dictionary has no duplicates"
     back = wire.decode(wire.encode(batch), batch.kafka_headers())
     schema.validate(back)
@@ -579,3 +581,24 @@ def test_interrupts_python_and_numpy_delta_paths_agree(tmp_path, monkeypatch):
         ("irq.count", "A@cpu0", 3.0), ("irq.count", "B@cpu1", 5.0), ("irq.count", "B@cpu2", 1.0),
         ("irq.count", "S@cpu0", 2.0), ("irq.cpu_total", "cpu0", 5.0), ("irq.cpu_total", "cpu1", 5.0),
         ("irq.cpu_total", "cpu2", 1.0), ("irq.count", "T@all", 2.0)]
+
+
+def test_slow_collectors_run_on_their_cadence_and_their_deltas_cover_it(tmp_path):
+    write(tmp_path, "vmstat", "pgfault 100\n")
+    write(tmp_path, "stat", stat_text({"cpu": CPU0_A}, ctxt=5000))
+    sampler = HostSampler("h", [CpuStatCollector(proc_root=tmp_path), VmstatCollector(proc_root=tmp_path)])
+    assert VmstatCollector.cadence_ns == SEC and CpuStatCollector.cadence_ns == 0
+    runs = []
+    for i in range(12):  # a 100 ms tick, with a little jitter
+        write(tmp_path, "vmstat", f"pgfault {100 + 10 * i}\n")
+        batch = sampler.sample(SEC + i * SEC // 10 - (SEC // 1000 if i == 10 else 0))
+        rows = list(zip(batch.columns["metric"].to_numpy().tolist(), batch.columns["value"].tolist(),
+                        batch.columns["interval_ns"].tolist()))
+        runs.append([r for r in rows if r[0] == "vm.pgfault"])
+        assert any(r[0] == "cpu.procs_running" for r in rows)  # the per-tick collector runs every tick
+    assert [bool(r) for r in runs] == [False] * 10 + [True, False]
+    assert runs[10] == [("vm.pgfault", 100.0, SEC - SEC // 1000)]  # 10 ticks of faults, over the real interval
+    every_tick = HostSampler("h", [VmstatCollector(proc_root=tmp_path)], use_cadence=False)
+    every_tick.sample(SEC)
+    write(tmp_path, "vmstat", "pgfault 999\n")
+    assert every_tick.sample(SEC + SEC // 10).count == 1

@@ -437,3 +437,14 @@ def test_process_energy_covers_every_tick_since_the_previous_split(scenario, mak
         assert by_tenant["acme"]["interval_ns"] == SEC // 2 and by_tenant["beta"]["rank"] == 1
     device_energy = sum(r["value"] for rows in out for r in rows if r["metric"] == "nvml.energy_j")
     assert sum(r["value"] for rows in splits for r in rows) == pytest.approx(device_energy)
+
+
+def test_gpm_is_read_once_a_second_and_ofu_uses_the_intervals_mean_sm_clock(scenario, make_sampler):
+    scenario("device_count 1\ngpu 0 gpu_util 1\ngpu 0 mem_util 1\ngpu 0 sm_clock_max 2000\n"
+             "gpu 0 sm_clock 1000 1000 1000 1000 1000 1000 1000 1000 1000 1000 1000 2000 2000 2000 2000 2000\n"
+             + gpm_lines(0, tensor=60.0))
+    out = [device_rows(rows) for rows in ticks(make_sampler(), 21, step_ns=SEC // 10)]
+    assert [("nvml.gpm.tensor_util", "gpu0") in d for d in out] == ([False] * 10 + [True] + [False] * 9 + [True])
+    # Tick 0 takes the first GPM sample; ticks 1..10 read SM clock 1000, ticks 11..20 read 2000 (the last value repeats).
+    assert out[10][("nvml.ofu", "gpu0")]["value"] == pytest.approx(60.0 * 1000 / 2000)
+    assert out[20][("nvml.ofu", "gpu0")]["value"] == pytest.approx(60.0 * 2000 / 2000)

@@ -34,6 +34,7 @@ class Sample(NamedTuple):
 # paths build samples from ready (metric, device, value, interval_ns) tuples.
 make_sample = partial(tuple.__new__, Sample)
 
+SLOW_CADENCE_NS = 1_000_000_000  # see Collector.cadence_ns
 _READ_CHUNK = 1 << 16
 _MAX_KEPT_FDS = 8  # per collector
 
@@ -66,6 +67,10 @@ class Collector(ABC):
 
     name: ClassVar[str]
     default_enabled: ClassVar[bool] = True
+    # How often HostSampler runs it: 0 = every tick. Files whose numbers move
+    # slowly or matter at window scale (memory, disks, NUMA, vm events) run
+    # once a second; their counters' deltas then cover that whole second.
+    cadence_ns: ClassVar[int] = 0
 
     def __init__(self, proc_root: str | os.PathLike = "/proc", sys_root: str | os.PathLike = "/sys"):
         # Roots are parameters so tests (and containers that mount the host's

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from producers.host.collector import Collector, CounterDeltas, Sample, register
+from producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
 
 # Virtual devices whose I/O is memory traffic, not disk traffic.
 _SKIP_PREFIXES = ("loop", "ram", "zram")
@@ -21,6 +21,7 @@ _SPECS = tuple(_COLUMNS.values())
 @register
 class DiskstatsCollector(Collector):
     name = "diskstats"
+    cadence_ns = SLOW_CADENCE_NS
 
     def __init__(self, proc_root="/proc", sys_root="/sys"):
         super().__init__(proc_root, sys_root)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from producers.host.collector import Collector, Sample, make_sample, register
+from producers.host.collector import SLOW_CADENCE_NS, Collector, Sample, make_sample, register
 
 # /proc/meminfo field -> our metric. Values with a "kB" unit become bytes;
 # the HugePages_* fields have no unit because they are page counts, and stay so.
@@ -28,6 +28,7 @@ _LINE = re.compile(r"\n[^\S\n]*(" + "|".join(map(re.escape, _FIELDS)) + r")[^\S\
 @register
 class MeminfoCollector(Collector):
     name = "meminfo"
+    cadence_ns = SLOW_CADENCE_NS
 
     def __init__(self, proc_root="/proc", sys_root="/sys"):
         super().__init__(proc_root, sys_root)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 
-from producers.host.collector import Collector, CounterDeltas, Sample, register
+from producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
 
 _FIELDS = frozenset(("numa_hit", "numa_miss", "numa_foreign", "interleave_hit", "local_node", "other_node"))
 _NODE_DIR = re.compile(r"node(\d+)$")
@@ -14,6 +14,7 @@ _METRIC = {name: f"numa.{name}" for name in _FIELDS}
 @register
 class NumastatCollector(Collector):
     name = "numastat"
+    cadence_ns = SLOW_CADENCE_NS
 
     def __init__(self, proc_root="/proc", sys_root="/sys"):
         super().__init__(proc_root, sys_root)

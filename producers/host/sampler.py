@@ -16,17 +16,30 @@ log = logging.getLogger(__name__)
 load_builtin_collectors()
 
 
+# A collector with a cadence runs once at least 95% of it has passed since its
+# last run, so tick jitter does not push a 1 s collector to every 11th 100 ms tick.
+_DUE_SLACK = 0.95
+
+
 class HostSampler:
-    def __init__(self, host: str, collectors: list[Collector]):
+    def __init__(self, host: str, collectors: list[Collector], use_cadence: bool = True):
         self.host = host
         self.collectors = list(collectors)
         self.collector_errors: dict[str, int] = {}
+        # use_cadence=False runs every collector every tick (Collector.cadence_ns ignored).
+        self._cadence = [int(c.cadence_ns * _DUE_SLACK) if use_cadence else 0 for c in self.collectors]
+        self._last_run: list[int | None] = [None] * len(self.collectors)
 
     def sample(self, now_ns: int | None = None) -> Batch | None:
         """One batch of every collector's samples at now_ns, or None if there are none."""
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
         samples: list[Sample] = []
-        for collector in self.collectors:
+        last_run = self._last_run
+        for i, collector in enumerate(self.collectors):
+            last, cadence = last_run[i], self._cadence[i]
+            if cadence and last is not None and now_ns - last < cadence:
+                continue  # not due this tick
+            last_run[i] = now_ns
             try:
                 samples += collector.collect(now_ns)
             except Exception:  # one broken collector must not silence the others

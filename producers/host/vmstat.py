@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from producers.host.collector import Collector, CounterDeltas, Sample, register
+from producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
 
 # Only the counters that explain slow training steps: remote-node allocations,
 # major faults, THP fallbacks and swapping. Kernels without NUMA or THP lack
@@ -24,6 +24,7 @@ _METRIC = {name: f"vm.{name}" for name in _FIELDS}
 @register
 class VmstatCollector(Collector):
     name = "vmstat"
+    cadence_ns = SLOW_CADENCE_NS
 
     def __init__(self, proc_root="/proc", sys_root="/sys"):
         super().__init__(proc_root, sys_root)

@@ -6,8 +6,8 @@ NvmlSampler (sampler.py) builds one "nvml" batch per tick; XidWatcher
 Metrics, device "gpu<N>" unless noted. Gauges have interval_ns 0; deltas
 carry the interval since the previous sample (none on the first sample or
 after a counter reset). Not every metric is read every tick: utilization,
-memory used, clocks, throttle reasons, power, GPM and every counter are;
-temperature, PCIe throughput and the per-process rows once a second; memory
+memory used, clocks, throttle reasons, power and every counter are; GPM
+(with OFU), temperature, PCIe throughput and the per-process rows once a second; memory
 total, max clocks, ECC and remapped rows every 10 s (device_metrics.py has
 the cadence table; NvmlSampler's *_interval_ns arguments set it).
 
@@ -33,7 +33,7 @@ the cadence table; NvmlSampler's *_interval_ns arguments set it).
     nvml.gpm.tensor_util.{hmma,imma,dmma,dfma}, nvml.gpm.fp{64,32,16}_util,
     nvml.gpm.dram_bw_util                         %, Hopper+ (GPM), averaged between ticks
     nvml.gpm.{pcie,nvlink}_{tx,rx}_mibps          MiB/s, GPM
-    nvml.ofu                                      %, tensor activity x SM clock / max (see gpm.py)
+    nvml.ofu                                      %, tensor activity x mean SM clock / max (see gpm.py)
   per process (the resolver's identity, pid, gpu = N)
     nvml.proc_mem_used                            bytes
     nvml.proc_sm_util, nvml.proc_mem_util         %, mean of NVML's samples since the previous read

@@ -1,14 +1,17 @@
 """Per-device NVML readings: which calls the sampler makes, how often, and how each is decoded.
 
-Cadence, per metric group (the sampler's `tick`, `slow_interval_ns` and
-`static_interval_ns`; a group is due when at least 95% of its interval has
+Cadence, per metric group (the sampler's tick and its `gpm_interval_ns`,
+`slow_interval_ns`, `static_interval_ns` and `pcie_min_interval_ns`; a group is due when at least 95% of its interval has
 passed since it was last read, so a 1 s group on a 100 ms tick is read every
 10th tick and not every 11th because of jitter):
 
   every tick      utilization, memory used, SM and memory clocks, throttle
                   reasons, and one nvmlDeviceGetFieldValues call for power,
-                  energy, the PCIe replay counter and the NVLink counters;
-                  GPM (its averages cover the time between two ticks)
+                  energy, the PCIe replay counter and the NVLink counters
+  gpm   (1 s)     GPM metrics: averages over the time since the previous GPM
+                  read, so a slower read loses no activity, only resolution
+                  finer than the stream's 1 s windows; OFU pairs the tensor
+                  activity with the mean of the SM clocks read in that interval
   slow  (1 s)     temperature; the compute-process list, per-process
                   utilization and the per-process energy split (see sampler.py);
                   PCIe throughput, at `pcie_min_interval_ns` (also 1 s): each

@@ -19,9 +19,10 @@ Its limits:
     metrics show it separately;
   - precisions differ in peak rate, and the activity metric does not weight
     them (an FP8 and an FP16 GEMM at the same activity both read the same);
-  - the clock is the instantaneous SM clock at sample time, while the activity
-    is an average over the interval; under fast clock changes the product is
-    approximate.
+  - the clock is the mean of the SM clocks the sampler read during the
+    interval (one per tick), while the activity is NVML's average over it;
+    the product of two means is approximate when clock and activity move
+    together within the interval.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ _FIELD_UNSUPPORTED = _UNSUPPORTED | {pynvml.NVML_ERROR_INVALID_ARGUMENT}
 _DUE_SLACK = 0.95  # a group is due once 95% of its interval has passed (tick jitter)
 
 # Cadence groups (see device_metrics.py).
-TICK, SLOW, STATIC, PCIE = "tick", "slow", "static", "pcie"
+TICK, SLOW, STATIC, PCIE, GPM = "tick", "slow", "static", "pcie", "gpm"
 
 
 def _one(metric: str, read):
@@ -81,7 +81,8 @@ class _Device:
     unsupported: set[str] = field(default_factory=set)
     fields: dict = field(default_factory=dict)  # cadence group -> FieldBatch
     gpm: GpmReader | None = None
-    sm_clock: float | None = None      # this tick's, for OFU
+    clock_sum: float = 0.0             # SM clock summed over the ticks since the last GPM read, for OFU
+    clock_n: int = 0
     sm_clock_max: float | None = None  # kept between static reads, for OFU
     energy_j: float = 0.0              # device energy since the last per-process split
     energy_ns: int = 0                 # ... and the time those deltas cover
@@ -128,11 +129,11 @@ class _Rows:
 class NvmlSampler:
     def __init__(self, host: str, resolver=None, library_path: str | None = None,
                  pcie_min_interval_ns: int = 1_000_000_000, slow_interval_ns: int = 1_000_000_000,
-                 static_interval_ns: int = 10_000_000_000):
+                 static_interval_ns: int = 10_000_000_000, gpm_interval_ns: int = 1_000_000_000):
         self.host = host
         self.resolver = resolver
         self.intervals = {TICK: 0, SLOW: int(slow_interval_ns), STATIC: int(static_interval_ns),
-                          PCIE: int(pcie_min_interval_ns)}
+                          PCIE: int(pcie_min_interval_ns), GPM: int(gpm_interval_ns)}
         self.errors: dict[str, int] = {}
         self._pending: list[tuple] = []  # status rows for the next batch: (metric, device, value, gpu)
         self._devices: list[_Device] = []
@@ -213,7 +214,6 @@ class NvmlSampler:
         return due
 
     def _sample_device(self, dev: _Device, now_ns: int, due: dict, rows: _Rows, identities: dict) -> None:
-        dev.sm_clock = None
         calls, unsupported = dev.calls, dev.unsupported
         metrics: list[str] = []
         values: list[float] = []
@@ -233,7 +233,8 @@ class NvmlSampler:
             metrics += names
             values += got
             if name == "sm_clock":
-                dev.sm_clock = got[0]
+                dev.clock_sum += got[0]
+                dev.clock_n += 1
             elif name == "sm_clock_max":
                 dev.sm_clock_max = got[0]
         rows.extend(dev, metrics, values)
@@ -242,7 +243,7 @@ class NvmlSampler:
                 self._sample_fields(dev, group, batch, now_ns, rows)
                 if dev.lost:
                     return
-        if "gpm" not in unsupported:
+        if due[GPM] and "gpm" not in unsupported:
             self._sample_gpm(dev, rows)
         if due[SLOW] and not dev.lost:
             self._sample_processes(dev, rows, identities)
@@ -283,6 +284,8 @@ class NvmlSampler:
         if result is None:
             return
         names, values, failed = result
+        if not names and not failed:  # the first sample of a pair: the clock mean starts here
+            dev.clock_sum, dev.clock_n = 0.0, 0
         for name, code in failed:
             if code in _UNSUPPORTED:
                 dev.gpm.drop(name)
@@ -290,8 +293,11 @@ class NvmlSampler:
         if not names:
             return
         rows.extend(dev, names, values)
-        if TENSOR_METRIC in names and dev.sm_clock is not None and dev.sm_clock_max is not None:
-            ofu = ofu_percent(values[names.index(TENSOR_METRIC)], dev.sm_clock, dev.sm_clock_max)
+        # OFU pairs the interval's tensor activity with the interval's mean SM clock.
+        clock = dev.clock_sum / dev.clock_n if dev.clock_n else None
+        dev.clock_sum, dev.clock_n = 0.0, 0
+        if TENSOR_METRIC in names and clock is not None and dev.sm_clock_max is not None:
+            ofu = ofu_percent(values[names.index(TENSOR_METRIC)], clock, dev.sm_clock_max)
             if ofu is not None:
                 rows.add("nvml.ofu", dev.label, ofu, 0, dev.index)
 
