@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -48,4 +49,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The run already stopped everything it started (fault, workload, stack). Exit now rather
+    # than wait for library threads and atexit hooks (librdkafka reconnect loops of the stopped
+    # agent's producer, bcc's uprobe detach on objects already closed) to wind down.
+    os._exit(code)

@@ -124,7 +124,7 @@ class Run:
         self.stack = EvalStack(self.cfg).start()
         t = time.monotonic()
         try:
-            self.stack.wait_for(self.stack.tracers_ready, 120, "the eBPF tracers")
+            self.stack.wait_for(self.stack.tracers_ready, 240, "the eBPF tracers")
             self.log(f"[{self.s.name}] tracers ready after {time.monotonic() - t:.0f} s")
         except RuntimeError as e:  # tracing is an add-on; the run goes on and says so
             self.stack.check()

@@ -110,13 +110,18 @@ class EvalStack:
                                  f"logs in {self.data_dir}")
             time.sleep(poll_s)
 
-    def query(self, sql: str, params: dict | None = None):
-        from fleetscope.store import open_store
-        store = open_store(self.data_dir, self.cfg.database, prefer_endpoint=True)
-        try:
-            return store.query(sql, params or {})
-        finally:
-            store.close()
+    def query(self, sql: str, params: dict | None = None, attempts: int = 5):
+        """SQL through the worker's endpoint. Never opens chDB here (the worker holds it); a
+        slow answer on a loaded machine is retried, and the last error is raised."""
+        from fleetscope.store import RemoteStore, StoreError
+        for attempt in range(attempts):
+            try:
+                return RemoteStore(self.data_dir).query(sql, params or {})
+            except StoreError:
+                self.check()
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(1.0 + attempt)
 
     def stop(self) -> None:
         """Agent (flushes), then worker (commits what it stored), then broker."""
