@@ -138,7 +138,8 @@ class Run:
         env = {"FLEETSCOPE_WORKLOAD_CONTROL_DIR": str(self.control_dir)}
         if self.s.workload == "gpu_standin":
             from benchmarks.eval import standin_workload
-            self.workload = standin_workload.launch(self.ranks, env, self.data_dir, self.s.workload_args)
+            self.workload = standin_workload.launch(self.ranks, env, self.data_dir, self.s.workload_args,
+                                                   run_id=self.job)
         else:
             from benchmarks.workloads.launch import DEBIAN_PYTHON, launch, venv_site_packages
             python = self.opts.python or (DEBIAN_PYTHON if os.path.exists(DEBIAN_PYTHON) else None)

@@ -1,8 +1,8 @@
 """Workload (b), the GPU-job stand-in, as the runner starts it.
 
-benchmarks/workloads/gpu_standin.py (another engineer's) plans each step's CUDA/NCCL
-calls; driving the libcudart/libnccl stand-ins with that plan is not wired yet, so
-scenarios that need it are skipped with this reason instead of being faked.
+benchmarks/workloads/gpu_standin.py (another engineer's) drives the libcudart/libnccl
+stand-ins (no GPU here) with a realistic per-step plan; while a version without its
+launch() is checked out, scenarios that need it are skipped with the reason.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def unavailable() -> str | None:
     return None
 
 
-def launch(ranks: int, env: dict, data_dir, workload_args: dict):
-    """Start the stand-in's ranks through its own launch(); same interface as launch.Launch."""
+def launch(ranks: int, env: dict, data_dir, workload_args: dict, run_id: str):
+    """Start the stand-in's ranks through its own launch() (they get TORCHELASTIC_RUN_ID = run_id,
+    the job the runner waits for); same interface as launch.Launch."""
     from benchmarks.workloads import gpu_standin
-    return gpu_standin.launch(ranks, env=env, log_path=data_dir / "workload.log", **workload_args)
+    return gpu_standin.launch(ranks, env=env, log_path=data_dir / "workload.log", run_id=run_id, **workload_args)
