@@ -354,7 +354,8 @@ def run_scenario(s: Scenario, opts: RunOptions) -> dict:
     body, results = evaluate(s, truth, t0, data)
     out = {"scenario": s.name, "file": str(s.path), "description": s.description.strip(), "job": run.job,
            "workload": s.workload, "ranks": run.ranks, "window_s": run.window_s, "duration_s": s.duration_s,
-           "warmup_windows": run.cfg.warmup_windows, "detect_rule": run.cfg.detect_rule,
+           "warmup_windows": run.cfg.warmup_windows, "detect_rule": run.cfg.detect_rule, "t0_unix": t0,
+           "data_dir": str(run.data_dir) if opts.keep_data else None,
            "trace": list(run.cfg.trace),
            "fault": {"kind": s.fault.kind, "rank": s.fault.rank, "start_s": s.fault.start_s,
                      "duration_s": s.fault.duration_s, "strength": s.fault.strength, "params": s.fault.params,
