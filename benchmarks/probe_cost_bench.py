@@ -6,7 +6,8 @@ function: what remains is the probes' cost), measured five ways:
 
   untraced       no probes;
   floor          an empty uprobe+uretprobe pair (the least any entry/return tracer pays);
-  full           CudaTracer as the agent runs it: all 18 probe pairs attached, the
+  full           CudaTracer as the agent runs it: all 18 probe pairs attached (as uprobe_multi links
+                 whose entry and return programs dispatch on the API cookie), the
                  launch paired per thread, aggregated in BPF maps (stats,
                  latency histogram, per-kernel counts), read once per 100 ms sample;
   ringbuf        CudaTracer(detail=True): the same plus one ring-buffer record per
