@@ -155,12 +155,14 @@ class StreamProcessor:
         so running a job again after a partial failure stores nothing twice."""
         try:
             self.dead.write(job.dead)
-            self.raw.write([b for b, _ in job.raw])
             vectors = self.features.write(job.windows)
             if self.scorer is not None and job.windows:
                 self.scorer.write(job.windows, vectors)
                 if self.producer is not None and self.producer.flush(10.0):
                     raise RuntimeError("Kafka did not acknowledge the scores in time")
+            # raw rows last: the largest insert must not delay the anomaly messages. Nothing is
+            # acknowledged before all of it is stored, and a replay finds what is already there.
+            self.raw.write([b for b, _ in job.raw])
             return True
         except Exception:
             self.stats.store_errors += 1

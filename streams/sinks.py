@@ -73,8 +73,13 @@ class RawSink:
         def column(name):
             cols = [b.columns[name] for b in batches]
             if isinstance(cols[0], StrColumn):
-                return pa.chunked_array([pa.array(c.values, pa.string()).take(pa.array(_aligned(c.codes))) for c in cols],
-                                        pa.string())
+                # one dictionary for all batches (codes shifted by each batch's offset), one take per column
+                values: list[str] = []
+                codes = []
+                for c in cols:
+                    codes.append(np.asarray(c.codes, dtype=np.int64) + len(values))
+                    values.extend(c.values)
+                return pa.array(values, pa.string()).take(pa.array(np.concatenate(codes)))
             return pa.chunked_array([pa.array(_aligned(c)) for c in cols])
 
         def per_batch(attr):

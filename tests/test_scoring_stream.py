@@ -16,14 +16,19 @@ latency down with it), while its peers wait a little longer (NCCL share 0.33).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import yaml
 
 from fleetscope.config import Config
 from fleetscope.schema import SOURCE_COLUMNS, node_identity, validate
 from fleetscope.store import open_store
 from fleetscope.wire import Batch, StrColumn, encode
 from streams.processor import MessageRef, StreamProcessor
+
+REPO = Path(__file__).resolve().parents[1]
 
 SEC = 10**9
 TICK = SEC // 2
@@ -162,17 +167,18 @@ def test_a_straggler_is_scored_flagged_diagnosed_and_the_model_survives_a_restar
     # straggler_rank matches each fault window on its rules: rank 4 waits far less in the
     # collectives than its peers (peer z of nccl_time_frac or nccl_lat_p50_ns <= -3; the anomaly
     # carries the top-5 peer z only, and in some windows one of the two is not among them)
+    n_conditions = len(yaml.safe_load((REPO / "kb" / "straggler_rank.yaml").read_text())["rules"]["any"])
     for w in faulty:
         entry, conf, sim, held, z = best[w]
         assert entry == "straggler_rank", (w, best[w])
         assert held and set(held) <= {"peer_z.nccl_lat_p50_ns <= -3", "peer_z.nccl_time_frac <= -3"}, best[w]
         if "peer_z.nccl_time_frac <= -3" in held:
             assert z <= -3      # the evidence carries the z that made the rule hold
-        # confidence = 0.5 * (rules held / 2) + 0.5 * max(0, fingerprint similarity). Today the
+        # confidence = 0.5 * (rules held / conditions) + 0.5 * max(0, fingerprint similarity). Today the
         # similarity is negative: the entry's pattern says nccl goes *down*, but the nccl subsystem's
         # heaviest feature is nccl_algbw_gbps, which goes *up* for a straggler (same bytes moved in
         # the short time it spends inside the collective), so the window's nccl share is signed +.
-        assert conf == pytest.approx(0.25 * len(held) + 0.5 * max(0.0, sim), abs=1e-5)
+        assert conf == pytest.approx(0.5 * len(held) / n_conditions + 0.5 * max(0.0, sim), abs=1e-5)
 
     # the checkpoint is in the store; a new worker restores it and keeps scoring, already warm
     saved = q(store, "SELECT count(), toUnixTimestamp64Milli(max(last_window)) FROM model_state FINAL WHERE job = 'train'")[0]
