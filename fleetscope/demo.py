@@ -60,7 +60,11 @@ def report(result: dict) -> str:
     for rank in sorted(by_rank):
         spans = ", ".join(f"{a * w:.0f}-{(b + 1) * w:.0f} s" for a, b in _spans(by_rank[rank]))
         lines.append(f"detected: rank {rank} flagged in {len(by_rank[rank])} windows: {spans}")
-    if s["detection_delay_windows"] is not None:
+    late = s["detection_delay_s"] is not None and s["detection_delay_s"] > f["duration_s"] + w
+    if late:
+        lines.append(f"          the faulty rank was not flagged during the fault (its first flag came "
+                     f"{s['detection_delay_s']:.0f} s after the start, after the fault had ended)")
+    elif s["detection_delay_windows"] is not None:
         lines.append(f"          first flag on the faulty rank {s['detection_delay_windows']} window(s) after the "
                      f"fault began (an alert {s['detection_delay_s']:.1f} s after the start)")
     else:
