@@ -48,9 +48,32 @@ def summary_of(results: dict[str, dict]) -> dict:
     scores = {n: Score(**{k: v for k, v in r["score"].items()}) for n, r in ran.items()}
     healthy = {n for n, r in ran.items() if r["fault"]["kind"] == "none"}
     out = summarize(scores, healthy)
+    out["by_rule"] = rules_summary(ran)
     out["skipped"] = sorted(n for n, r in results.items() if "skipped" in r)
     out["errors"] = sorted(n for n, r in results.items() if "error" in r)
     out["goals"] = {"f1_min": 0.9, "healthy_flagged_frac_max": 0.01, "median_delay_windows_max": 3}
+    return out
+
+
+def rules_summary(ran: dict[str, dict]) -> dict:
+    """Each replayed ensemble rule pooled over the runs: fault-run P/R/F1, healthy flagged share."""
+    out = {}
+    rules = sorted({k for r in ran.values() for k in r.get("rules", {})})
+    for rule in rules:
+        tp = fp = fn = hfp = hall = 0
+        for r in ran.values():
+            x = r.get("rules", {}).get(rule)
+            if x is None:
+                continue
+            if r["fault"]["kind"] == "none":
+                hfp += x["fp"]
+                hall += r["score"]["fp"] + r["score"]["tn"]  # the negatives do not depend on the rule
+            else:
+                tp, fp, fn = tp + x["tp"], fp + x["fp"], fn + x["fn"]
+        p = tp / (tp + fp) if tp + fp else None
+        rc = tp / (tp + fn) if tp + fn else None
+        out[rule] = {"precision": p, "recall": rc, "f1": 2 * p * rc / (p + rc) if p and rc else None,
+                     "healthy_flagged_frac": hfp / hall if hall else None}
     return out
 
 

@@ -46,8 +46,14 @@ def replay(result: dict, overrides: dict) -> tuple[list, dict]:
     from benchmarks.eval.runner import ONSET_GRACE_WINDOWS, RECOVERY_GRACE_WINDOWS, window_of
     from streams.model import JobModel, ModelConfig
     cfg = ModelConfig(warmup_windows=result["warmup_windows"], rule=result["detect_rule"])
-    cfg = replace(cfg, **overrides)
+    dspot = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("dspot.")}
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if not k.startswith("dspot.")})
     model = JobModel(cfg)
+    for t in model.thresholds.values():  # dspot.<attr>=value: a DSpot setting (e.g. warm_clip_mads)
+        for k, v in dspot.items():
+            if not hasattr(t, k):
+                raise SystemExit(f"DSpot has no setting {k!r}")
+            setattr(t, k, v)
     t0, w = result["t0_unix"], result["window_s"]
     lo, hi = int(t0 * 1e9), int((t0 + result["duration_s"]) * 1e9)
     scores = []
@@ -73,7 +79,7 @@ def _value(text: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="per-scenario result JSON files of runs made with --keep-data")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a ModelConfig override")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a ModelConfig override, or dspot.<attr> for the thresholds")
     p.add_argument("--json", help="write the replayed scores here")
     args = p.parse_args(argv)
     overrides = {k: _value(v) for k, _, v in (s.partition("=") for s in args.set)}
