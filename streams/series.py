@@ -1,15 +1,19 @@
 """Numbering of metric series, so window aggregates can live in numpy arrays.
 
-A series is (source, metric, device). Strings are interned once per worker;
-each stream key numbers its own series densely, so a window's aggregates are
-arrays indexed by that number and a batch folds in with np.bincount instead
-of a Python loop per series.
+A series is (source, metric, device). Strings are interned once per worker
+(a batch's string dictionary is resolved once per distinct dictionary, not per
+batch); each stream key numbers its own series densely in order of first
+sight, so a window's aggregates are arrays indexed by that number and a batch
+folds in with np.bincount instead of a Python loop per series. The numbers of
+all keys live in one sorted index, so a batch of many ranks is numbered with
+one searchsorted.
 """
 from __future__ import annotations
 
 import numpy as np
 
 _BITS = 21  # ids per field: 2M distinct metric names / devices per worker
+_DICT_CACHE = 4096  # distinct string dictionaries remembered
 
 
 class Interner:
@@ -18,6 +22,7 @@ class Interner:
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
         self.names: list[str] = []
+        self._dicts: dict[tuple[str, ...], np.ndarray] = {}
 
     def id(self, name: str) -> int:
         i = self.ids.get(name)
@@ -29,8 +34,14 @@ class Interner:
         return i
 
     def ids_of(self, values: tuple[str, ...]) -> np.ndarray:
-        """The ids of a batch's string dictionary (one lookup per distinct value, not per row)."""
-        return np.fromiter((self.id(v) for v in values), dtype=np.int64, count=len(values))
+        """The ids of a batch's string dictionary (one lookup per distinct dictionary, not per batch)."""
+        ids = self._dicts.get(values)
+        if ids is None:
+            if len(self._dicts) >= _DICT_CACHE:
+                self._dicts.clear()
+            ids = self._dicts[values] = np.fromiter((self.id(v) for v in values), dtype=np.int64,
+                                                    count=len(values))
+        return ids
 
 
 def series_code(source_id: int, metric_ids: np.ndarray, device_ids: np.ndarray) -> np.ndarray:
@@ -42,43 +53,73 @@ def split_code(code: int) -> tuple[int, int, int]:
     return code >> (2 * _BITS), (code >> _BITS) & mask, code & mask
 
 
-class KeySeries:
-    """The series one stream key has sent, numbered 0..n-1 in order of first sight."""
+class _SortedIds:
+    """int64 -> dense int, as a sorted array (vectorized lookups; inserts are rare)."""
 
     def __init__(self) -> None:
-        self.sorted_codes = np.empty(0, dtype=np.int64)
-        self.sorted_local = np.empty(0, dtype=np.int64)
-        self.codes: list[int] = []  # local index -> series code
-        self.by_metric: dict[tuple[int, int], list[int]] = {}  # (source, metric) -> local indexes
+        self.keys = np.empty(0, dtype=np.int64)
+        self.vals = np.empty(0, dtype=np.int64)
 
-    @property
-    def n(self) -> int:
-        return len(self.codes)
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, known mask)."""
+        pos = np.searchsorted(self.keys, keys)
+        if not len(self.keys):
+            return pos, np.zeros(len(keys), dtype=bool)
+        return pos, self.keys[np.minimum(pos, len(self.keys) - 1)] == keys
 
-    def local(self, codes: np.ndarray) -> np.ndarray:
-        """Local indexes for series codes, numbering the new ones."""
-        pos = np.searchsorted(self.sorted_codes, codes)
-        pos_c = np.minimum(pos, max(len(self.sorted_codes) - 1, 0))
-        known = (pos < len(self.sorted_codes)) & (self.sorted_codes[pos_c] == codes) if len(self.sorted_codes) \
-            else np.zeros(len(codes), dtype=bool)
+    def insert(self, new_keys: np.ndarray, new_vals: np.ndarray) -> None:
+        """Add keys not present yet (any order)."""
+        order = np.argsort(new_keys, kind="stable")
+        new_keys, new_vals = new_keys[order], new_vals[order]
+        at = np.searchsorted(self.keys, new_keys)
+        self.keys, self.vals = np.insert(self.keys, at, new_keys), np.insert(self.vals, at, new_vals)
+
+
+class SeriesNumbers:
+    """Each stream key's series, numbered 0..n-1 in order of first sight.
+
+    Keys are small ints (`new_key`). Within one batch, a key's new series are
+    numbered in (group, series code) order, groups being the batch's
+    (tenant, job, rank, window) groups in sorted order.
+    """
+
+    def __init__(self) -> None:
+        self._sid = _SortedIds()  # series code -> worker-wide series id
+        self._local = _SortedIds()  # key << _BITS | series id -> the key's number for it
+        self.counts: list[int] = []  # series per key
+
+    def new_key(self) -> int:
+        self.counts.append(0)
+        return len(self.counts) - 1
+
+    def _sids(self, codes: np.ndarray) -> np.ndarray:
+        pos, known = self._sid.find(codes)
         if not known.all():
-            self._add(np.unique(codes[~known]))
-            return self.local(codes)
-        return self.sorted_local[pos]
+            new = np.unique(codes[~known])
+            start = len(self._sid.keys)
+            if start + len(new) > 1 << _BITS:
+                raise OverflowError(f"more than {1 << _BITS} distinct series")
+            self._sid.insert(new, np.arange(start, start + len(new), dtype=np.int64))
+            pos, known = self._sid.find(codes)
+        return self._sid.vals[pos]
 
-    def _add(self, new_codes: np.ndarray) -> None:
-        start = self.n
-        for offset, code in enumerate(new_codes.tolist()):
-            self.codes.append(code)
-            src, metric, _ = split_code(code)
-            self.by_metric.setdefault((src, metric), []).append(start + offset)
-        codes = np.concatenate([self.sorted_codes, new_codes])
-        local = np.concatenate([self.sorted_local, np.arange(start, start + len(new_codes), dtype=np.int64)])
-        order = np.argsort(codes, kind="stable")
-        self.sorted_codes, self.sorted_local = codes[order], local[order]
-
-    def find(self, code: int) -> int | None:
-        pos = int(np.searchsorted(self.sorted_codes, code))
-        if pos < len(self.sorted_codes) and self.sorted_codes[pos] == code:
-            return int(self.sorted_local[pos])
-        return None
+    def local(self, key_ids: np.ndarray | int, codes: np.ndarray, counts: list[int]) -> np.ndarray:
+        """The keys' numbers for these rows' series, numbering the new ones. The rows come as runs of
+        `counts` rows, one run per (key, window) group in sorted group order."""
+        pairs = (np.asarray(key_ids, dtype=np.int64) << _BITS) | self._sids(codes)
+        pos, known = self._local.find(pairs)
+        if known.all():
+            return self._local.vals[pos]
+        new = np.flatnonzero(~known)
+        group = np.repeat(np.arange(len(counts)), counts)[new]
+        order = new[np.lexsort((codes[new], group))]
+        _, first = np.unique(pairs[order], return_index=True)
+        fresh = pairs[order[np.sort(first)]]  # in order of first sight
+        numbers = np.empty(len(fresh), dtype=np.int64)
+        tally = self.counts
+        for i, key in enumerate((fresh >> _BITS).tolist()):
+            numbers[i] = tally[key]
+            tally[key] += 1
+        self._local.insert(fresh, numbers)
+        pos, _ = self._local.find(pairs)
+        return self._local.vals[pos]

@@ -6,23 +6,29 @@ window_end + allowed lateness, or, for a key that stopped sending, after
 `idle_close_s` of wall time. The wall clock never decides which window an
 event belongs to; it only flushes windows nobody will add to.
 
+Adding a batch only does the bookkeeping (which windows, lateness, series
+numbers) and logs its rows; the windows' aggregates are computed when they
+close, for all closing windows in one vectorized pass (see `fold_rows`). The
+sums come out bit-identical to folding batch by batch: each batch's rows are
+summed first, in row order, then the batches' sums in arrival order.
+
 Each window remembers which messages fed it, so a message is acknowledged
 (and its offset committed) only once every window it touched is stored.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from fleetscope.wire import Batch
-from streams.series import Interner, KeySeries, series_code, split_code
+from streams.series import Interner, SeriesNumbers, series_code, split_code
 
 StreamKey = tuple[str, str, str, int]  # tenant, job, host, rank
 
 
-@dataclass
+@dataclass(slots=True)
 class MetricAgg:
     """One series in one window: deltas summed, gauges' last value and mean."""
 
@@ -34,76 +40,36 @@ class MetricAgg:
 
 
 class Window:
-    def __init__(self, key: StreamKey, start_ns: int, end_ns: int, series: KeySeries, names: Interner):
+    def __init__(self, key: StreamKey, start_ns: int, end_ns: int, slot: int, assembler: "WindowAssembler"):
         self.key, self.start_ns, self.end_ns = key, start_ns, end_ns
-        self.series, self.names = series, names
+        self.slot = slot  # this window's id in the assembler's row log
         self.sources: set[str] = set()
         self.event_count = 0
         self.messages: list = []  # message refs that fed this window
-        self.delta_sum = np.zeros(0)
-        self.interval_ns = np.zeros(0)
-        self.gauge_sum = np.zeros(0)
-        self.gauge_n = np.zeros(0, dtype=np.int64)
-        self.gauge_last = np.zeros(0)
-        self.last_ts = np.zeros(0, dtype=np.int64)
+        self._assembler = assembler
+        self._by_metric: dict[tuple[str, str], list[tuple[str, MetricAgg]]] | None = None
+        self._by_series: dict[tuple[str, str, str], MetricAgg] = {}
 
-    def _grow(self, n: int) -> None:
-        old = len(self.delta_sum)
-        if n <= old:
-            return
-        pad = n - old
-        self.delta_sum = np.concatenate([self.delta_sum, np.zeros(pad)])
-        self.interval_ns = np.concatenate([self.interval_ns, np.zeros(pad)])
-        self.gauge_sum = np.concatenate([self.gauge_sum, np.zeros(pad)])
-        self.gauge_n = np.concatenate([self.gauge_n, np.zeros(pad, dtype=np.int64)])
-        self.gauge_last = np.concatenate([self.gauge_last, np.full(pad, np.nan)])
-        self.last_ts = np.concatenate([self.last_ts, np.full(pad, -1, dtype=np.int64)])
+    def _set_aggs(self, by_metric: dict, by_series: dict) -> None:
+        self._by_metric, self._by_series = by_metric, by_series
 
-    def fold(self, local: np.ndarray, value: np.ndarray, interval: np.ndarray, ts: np.ndarray) -> None:
-        n = self.series.n
-        self._grow(n)
-        delta = interval > 0
-        if delta.any():
-            self.delta_sum[:n] += np.bincount(local[delta], weights=value[delta], minlength=n)
-            self.interval_ns[:n] += np.bincount(local[delta], weights=interval[delta], minlength=n)
-        gauge = ~delta
-        if gauge.any():
-            g_local, g_val, g_ts = local[gauge], value[gauge], ts[gauge]
-            self.gauge_sum[:n] += np.bincount(g_local, weights=g_val, minlength=n)
-            self.gauge_n[:n] += np.bincount(g_local, minlength=n)
-            order = np.argsort(g_ts, kind="stable")
-            g_local, g_val, g_ts = g_local[order], g_val[order], g_ts[order]
-            # the newest sample per series: first occurrence in the reversed, time-sorted rows
-            uniq, first_rev = np.unique(g_local[::-1], return_index=True)
-            last = len(g_local) - 1 - first_rev
-            newer = g_ts[last] >= self.last_ts[uniq]
-            self.gauge_last[uniq[newer]] = g_val[last][newer]
-            self.last_ts[uniq[newer]] = g_ts[last][newer]
-
-    def _agg(self, i: int) -> MetricAgg:
-        return MetricAgg(float(self.delta_sum[i]), int(self.interval_ns[i]), float(self.gauge_last[i]),
-                         float(self.gauge_sum[i]), int(self.gauge_n[i]))
+    def _index(self) -> dict[tuple[str, str], list[tuple[str, MetricAgg]]]:
+        if self._by_metric is None:  # an open window read before it closed: aggregate what it has so far
+            self._assembler.aggregate_open()
+        return self._by_metric
 
     def agg(self, source: str, metric: str, device: str = "all") -> MetricAgg | None:
         """The series' aggregate in this window, or None if it sent nothing here."""
-        ids = self.names.ids
-        if source not in ids or metric not in ids or device not in ids:
-            return None
-        i = self.series.find(int(series_code(ids[source], np.int64(ids[metric]), np.int64(ids[device]))))
-        if i is None or i >= len(self.delta_sum) or (self.interval_ns[i] == 0 and self.gauge_n[i] == 0):
-            return None
-        return self._agg(i)
+        self._index()
+        return self._by_series.get((source, metric, device))
 
     def devices(self, source: str, metric: str) -> list[tuple[str, MetricAgg]]:
-        """Every device of one metric that sent something in this window."""
-        ids = self.names.ids
-        if source not in ids or metric not in ids:
-            return []
-        out = []
-        for i in self.series.by_metric.get((ids[source], ids[metric]), ()):
-            if i < len(self.delta_sum) and (self.interval_ns[i] > 0 or self.gauge_n[i] > 0):
-                out.append((self.names.names[split_code(self.series.codes[i])[2]], self._agg(i)))
-        return out
+        """Every device of one metric that sent something in this window, in the key's order of first sight.
+        The list is shared: do not modify it."""
+        return self._index().get((source, metric), _EMPTY)
+
+
+_EMPTY: list = []
 
 
 @dataclass
@@ -115,11 +81,56 @@ class WindowStats:
 
 @dataclass
 class _KeyState:
-    series: KeySeries = field(default_factory=KeySeries)
+    id: int
     max_ts: int = -1
     closed_upto: int = -1  # newest window start this process closed
     stored_upto: int | None = None  # newest window start the store had at first sight
     last_seen: float = 0.0
+
+
+class RowLog:
+    """The rows of open windows, in arrival order, as batches added them.
+
+    A batch's rows come grouped: each group (one key and window, from one
+    batch) is a contiguous run of rows with its window's slot. Groups are
+    numbered in arrival order (`seq`), which is what fold_rows needs to sum
+    as a batch-by-batch fold would.
+    """
+
+    FIELDS = ("local", "code", "value", "interval", "ts")
+
+    def __init__(self) -> None:
+        self._kept: dict[str, np.ndarray] | None = None  # consolidated rows, with "seq" and "slot"
+        self._slots: list[int] = []  # per group since the last consolidation
+        self._counts: list[int] = []
+        self._parts: list[tuple] = []  # per batch: arrays in FIELDS order
+        self._seq = 0  # number of the first group in _slots
+
+    def __bool__(self) -> bool:
+        return bool(self._parts) or self._kept is not None
+
+    def append(self, slots: list[int], counts: list[int], *arrays: np.ndarray) -> None:
+        self._slots += slots
+        self._counts += counts
+        self._parts.append(arrays)
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """All logged rows as columns (FIELDS, seq, slot), kept as one consolidated part."""
+        if self._parts:
+            n = len(self._slots)
+            new = {"seq": np.repeat(np.arange(self._seq, self._seq + n, dtype=np.int64), self._counts),
+                   "slot": np.repeat(np.array(self._slots, dtype=np.int64), self._counts)}
+            for i, name in enumerate(self.FIELDS):
+                new[name] = np.concatenate([p[i] for p in self._parts])
+            if self._kept is not None:
+                new = {k: np.concatenate([self._kept[k], v]) for k, v in new.items()}
+            self._kept, self._seq = new, self._seq + n
+            self._slots, self._counts, self._parts = [], [], []
+        return self._kept
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keep only these rows of rows()."""
+        self._kept = {k: v[mask] for k, v in self.rows().items()} if mask.any() else None
 
 
 class WindowAssembler:
@@ -131,53 +142,131 @@ class WindowAssembler:
         self.stored_marks = stored_marks  # key -> last stored window_start_ns (or None)
         self.clock = clock
         self.names = Interner()
+        self.series = SeriesNumbers()
         self.keys: dict[StreamKey, _KeyState] = {}
         self.open: dict[tuple[StreamKey, int], Window] = {}
         self.stats = WindowStats()
+        self.log = RowLog()
+        self._slots = 0
+        self._code_names: dict[int, tuple[tuple[str, str], str]] = {}
 
     def _state(self, key: StreamKey) -> _KeyState:
         state = self.keys.get(key)
         if state is None:
-            state = self.keys[key] = _KeyState()
+            state = self.keys[key] = _KeyState(self.series.new_key())
             mark = self.stored_marks(key) if self.stored_marks else None
             state.stored_upto = -1 if mark is None else int(mark)
         return state
 
     def add(self, batch: Batch, message_ref) -> list[Window]:
-        """Fold a decoded metric batch in. Returns the windows it touched."""
+        """Take a decoded metric batch in. Returns the windows it touched."""
         cols = batch.columns
         ts, value, interval = cols["ts_ns"], cols["value"], cols["interval_ns"]
+        if not len(ts):
+            return []
         tenant, job, rank = cols["tenant"], cols["job"], cols["rank"]
         if "sample_frac" in cols:
             value = scale_sampled(value, interval, cols["sample_frac"])
         metric, device = cols["metric"], cols["device"]
-        codes = series_code(self.names.id(batch.source), self.names.ids_of(metric.values)[metric.codes],
-                            self.names.ids_of(device.values)[device.codes])
-        win = ts // self.window_ns
+        names = self.names
+        codes = series_code(names.id(batch.source), names.ids_of(metric.values)[metric.codes],
+                            names.ids_of(device.values)[device.codes])
+        groups, order = _groups(tenant, job, rank, ts, self.window_ns)
+        if order is not None:  # rows regrouped (stable: each group keeps its rows' order)
+            codes, value, interval, ts = codes[order], value[order], interval[order], ts[order]
         touched = []
         now = self.clock()
-        for (t, j, r, w), rows in _groups(tenant.codes, job.codes, rank, win):
+        slots, key_ids, counts = [], [], []
+        for (t, j, r, w, count, max_ts) in groups:
             key = (tenant.values[t], job.values[j], batch.host, r)
             state = self._state(key)
             state.last_seen = now
-            g_ts = ts[rows]
-            state.max_ts = max(state.max_ts, int(g_ts.max()))
+            if max_ts > state.max_ts:
+                state.max_ts = max_ts
             start = w * self.window_ns
+            slot = -1
             if start <= state.stored_upto:  # stored before a restart: a replay, not a loss
-                self.stats.replayed_events += len(g_ts)
-                continue
-            if start <= state.closed_upto:
-                self.stats.late_events += len(g_ts)
-                continue
-            window = self.open.get((key, start))
-            if window is None:
-                window = self.open[(key, start)] = Window(key, start, start + self.window_ns, state.series, self.names)
-            window.sources.add(batch.source)
-            window.event_count += len(g_ts)
-            window.messages.append(message_ref)
-            window.fold(state.series.local(codes[rows]), value[rows], interval[rows], g_ts)
-            touched.append(window)
+                self.stats.replayed_events += count
+            elif start <= state.closed_upto:
+                self.stats.late_events += count
+            else:
+                window = self.open.get((key, start))
+                if window is None:
+                    window = self.open[(key, start)] = Window(key, start, start + self.window_ns, self._slots, self)
+                    self._slots += 1
+                elif window._by_metric is not None:
+                    window._by_metric = None  # read while open: aggregate again with these rows
+                window.sources.add(batch.source)
+                window.event_count += count
+                window.messages.append(message_ref)
+                slot = window.slot
+                touched.append(window)
+            slots.append(slot)
+            key_ids.append(state.id)
+            counts.append(count)
+        if touched:
+            if len(touched) < len(groups):  # late or replayed rows are counted above and left out
+                keep = np.repeat(np.array(slots) >= 0, counts)
+                codes, value, interval, ts = codes[keep], value[keep], interval[keep], ts[keep]
+                slots, key_ids, counts = zip(*[g for g in zip(slots, key_ids, counts) if g[0] >= 0])
+            local = self.series.local(key_ids[0] if len(key_ids) == 1 else np.repeat(key_ids, counts), codes, counts)
+            self.log.append(list(slots), list(counts), local, codes, value, interval, ts)
         return touched
+
+    def _aggregate(self, windows: list[Window], remove: bool) -> None:
+        """Compute these open windows' aggregates from the logged rows; `remove` drops their rows."""
+        if not windows:
+            return
+        if not self.log:
+            for w in windows:
+                w._set_aggs({}, {})
+            return
+        rows = self.log.rows()
+        slot = rows["slot"]
+        wanted = np.array([w.slot for w in windows], dtype=np.int64)
+        lo = min(int(slot.min()), int(wanted.min()))
+        dense = np.full(max(int(slot.max()), int(wanted.max())) - lo + 1, -1, dtype=np.int64)
+        dense[wanted - lo] = np.arange(len(windows))
+        row_window = dense[slot - lo]
+        mine = row_window >= 0
+        sel = {k: v[mine] for k, v in rows.items()}
+        if remove:
+            self.log.keep(~mine)
+        out = fold_rows(row_window[mine], sel["local"], sel["seq"], sel["value"], sel["interval"], sel["ts"],
+                        sel["code"])
+        self._attach(windows, out)
+
+    def _attach(self, windows: list[Window], out: dict[str, np.ndarray]) -> None:
+        """Hand each window its series' aggregates, indexed by (source, metric) and (source, metric, device)."""
+        bounds = np.searchsorted(out["window"], np.arange(len(windows) + 1)).tolist()
+        code_names = self._code_names
+        cols = [out[k].tolist() for k in ("code", "delta_sum", "interval_ns", "gauge_last", "gauge_sum", "gauge_n")]
+        entries = list(zip(*cols))
+        for i, w in enumerate(windows):
+            by_metric: dict = {}
+            by_series: dict = {}
+            for code, d_sum, span, g_last, g_sum, g_n in entries[bounds[i]:bounds[i + 1]]:
+                names = code_names.get(code)
+                if names is None:
+                    names = code_names[code] = self._names_of(code)
+                agg = MetricAgg(d_sum, int(span), g_last, g_sum, g_n)
+                sm, dev = names
+                found = by_metric.get(sm)
+                if found is None:
+                    by_metric[sm] = [(dev, agg)]
+                else:
+                    found.append((dev, agg))
+                by_series[(sm[0], sm[1], dev)] = agg
+            w._set_aggs(by_metric, by_series)
+
+    def _names_of(self, code: int) -> tuple[tuple[str, str], str]:
+        src, metric, dev = split_code(code)
+        n = self.names.names
+        return (n[src], n[metric]), n[dev]
+
+    def aggregate_open(self) -> None:
+        """Aggregates of the open windows as they stand (they stay open and keep their rows)."""
+        self._aggregate([w for w in self.open.values() if w._by_metric is None], remove=False)
 
     def pop_closed(self, force: bool = False) -> list[Window]:
         """Windows whose key's watermark passed end + lateness, or idle keys' windows."""
@@ -192,8 +281,49 @@ class WindowAssembler:
         for window in closed:
             state = self.keys[window.key]
             state.closed_upto = max(state.closed_upto, window.start_ns)
+        self._aggregate(closed, remove=True)
         self.stats.windows_closed += len(closed)
         return closed
+
+
+def fold_rows(window: np.ndarray, local: np.ndarray, seq: np.ndarray, value: np.ndarray, interval: np.ndarray,
+              ts: np.ndarray, code: np.ndarray) -> dict[str, np.ndarray]:
+    """Per (window, series) present in the rows: deltas' value and interval sums, gauges' sum, count and
+    newest value. Rows are in arrival order; `seq` numbers their batches.
+
+    Sums run as a batch-by-batch fold would: each batch's rows of a series in row order, then those
+    per-batch sums in batch order, so the floats are identical. A gauge's last value is its newest
+    sample's (ties: the later row), and NaN if none is newer than the initial mark (-1).
+    """
+    width = int(local.max()) + 1
+    ws = window * width + local
+    present, first = np.unique(ws, return_index=True)
+    at = np.searchsorted(present, ws)
+    n = len(present)
+    delta = interval > 0
+    gauge = ~delta
+
+    def batch_then_arrival_sum(mask: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        if not mask.any():
+            return np.zeros(n)
+        pair = (seq[mask] - seq.min()) * n + at[mask]
+        pairs, inv = np.unique(pair, return_inverse=True)
+        per_batch = np.bincount(inv, weights=weights[mask])
+        return np.bincount(pairs % n, weights=per_batch, minlength=n)
+
+    out = {"window": present // width, "local": present % width, "code": code[first],
+           "delta_sum": batch_then_arrival_sum(delta, value),
+           "interval_ns": batch_then_arrival_sum(delta, interval),
+           "gauge_sum": batch_then_arrival_sum(gauge, value),
+           "gauge_n": np.bincount(at[gauge], minlength=n).astype(np.int64),
+           "gauge_last": np.full(n, np.nan)}
+    if gauge.any():
+        g_at, g_ts, g_val = at[gauge], ts[gauge], value[gauge]
+        order = np.lexsort((np.arange(len(g_at)), g_ts, g_at))  # by series, then time, then arrival
+        last = order[np.flatnonzero(np.diff(g_at[order], append=n))]
+        newest = g_ts[last] >= -1
+        out["gauge_last"][g_at[last][newest]] = g_val[last][newest]
+    return out
 
 
 def scale_sampled(value: np.ndarray, interval: np.ndarray, frac: np.ndarray) -> np.ndarray:
@@ -213,21 +343,35 @@ def scale_sampled(value: np.ndarray, interval: np.ndarray, frac: np.ndarray) -> 
     return out
 
 
-def _groups(t_codes: np.ndarray, j_codes: np.ndarray, rank: np.ndarray, win: np.ndarray):
-    """Yield ((tenant code, job code, rank, window index), row selector) per distinct group."""
-    if len(win) == 0:
-        return
-    if t_codes.min() == t_codes.max() and j_codes.min() == j_codes.max() and rank.min() == rank.max() \
-            and win.min() == win.max():  # the common case: a batch is one key and one window
-        yield (int(t_codes[0]), int(j_codes[0]), int(rank[0]), int(win[0])), slice(None)
-        return
+def _groups(tenant, job, rank: np.ndarray, ts: np.ndarray, window_ns: int):
+    """The batch's (tenant code, job code, rank, window index) groups in sorted order, each with its row
+    count and newest ts, and the row order that makes each group a contiguous run (None: as they are)."""
+    t_codes, j_codes = tenant.codes, job.codes
+    t_one = len(tenant.values) == 1 or t_codes.min() == t_codes.max()
+    j_one = len(job.values) == 1 or j_codes.min() == j_codes.max()
+    lo_ts, hi_ts = int(ts.min()), int(ts.max())
+    w0 = lo_ts // window_ns
+    if t_one and j_one and w0 == hi_ts // window_ns:  # one key and window, or one window of ranks in runs
+        t0, j0 = int(t_codes[0]), int(j_codes[0])
+        change = np.flatnonzero(rank[1:] != rank[:-1])
+        if not len(change):  # the common case: a batch is one key and one window
+            return [(t0, j0, int(rank[0]), w0, len(ts), hi_ts)], None
+        starts = [0] + (change + 1).tolist()
+        ranks = rank[starts].tolist()
+        if all(a < b for a, b in zip(ranks, ranks[1:])):  # each rank one run, in order (a node's ranks)
+            counts = np.diff(starts + [len(ts)]).tolist()
+            newest = np.maximum.reduceat(ts, starts).tolist()
+            return [(t0, j0, r, w0, c, m) for r, c, m in zip(ranks, counts, newest)], None
+    win = ts // window_ns
     ranks, r_inv = np.unique(rank, return_inverse=True)
-    w0 = win.min()
     n_j, n_r, n_w = int(j_codes.max()) + 1, len(ranks), int(win.max() - w0) + 1
     group = ((t_codes.astype(np.int64) * n_j + j_codes) * n_r + r_inv) * n_w + (win - w0)
     order = np.argsort(group, kind="stable")
     sorted_group = group[order]
-    bounds = np.flatnonzero(np.diff(sorted_group)) + 1
-    for rows in np.split(order, bounds):
-        i = rows[0]
-        yield (int(t_codes[i]), int(j_codes[i]), int(rank[i]), int(win[i])), rows
+    starts = np.flatnonzero(np.r_[True, sorted_group[1:] != sorted_group[:-1]])
+    firsts = order[starts]
+    counts = np.diff(np.append(starts, len(order)))
+    newest = np.maximum.reduceat(ts[order], starts)
+    groups = list(zip(t_codes[firsts].tolist(), j_codes[firsts].tolist(), rank[firsts].tolist(),
+                      win[firsts].tolist(), counts.tolist(), newest.tolist()))
+    return groups, order

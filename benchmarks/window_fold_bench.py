@@ -1,0 +1,82 @@
+"""The stream worker's per-step CPU without the store: decode, window fold, close, features.
+
+The 1,000-rank feed of scoring_bench.py (per node and 0.5 s tick one nccl, one
+cuda and one host batch; 125 nodes) goes through decode + validate +
+WindowAssembler.add, then pop_closed and window_features, window by window,
+as StreamProcessor does between its inserts. Times are CPU seconds of this
+process (time.process_time), so other work on a shared machine inflates them
+little; the steady state leaves out the first windows.
+
+`--code DIR` runs another checkout's streams/ and fleetscope/ (e.g. a
+`git archive` of an older commit) through the same feed, for before/after
+ratios measured in alternating runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=1000)
+    p.add_argument("--windows", type=int, default=12)
+    p.add_argument("--skip", type=int, default=2, help="first windows left out of the stats")
+    p.add_argument("--code", default=str(ROOT), help="checkout whose streams/ and fleetscope/ run")
+    p.add_argument("--profile", help="write a cProfile of the timed part here")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, args.code)  # imported first, so these modules are the ones cached
+    import numpy as np
+
+    from fleetscope.schema import validate
+    from fleetscope.wire import decode, encode
+    from streams.features import window_features
+    from streams.windows import WindowAssembler
+    from benchmarks.scoring_bench import SEC, TICK, Fleet
+
+    fleet = Fleet(args.ranks, 8, straggler=7, onset_window=10**9)
+    t0 = 1_800_000_000 * SEC
+    feed = [[encode(b) for k in (0, 1) for b in fleet.tick(t0 + (2 * w + k) * TICK + TICK // 2, w)]
+            for w in range(args.windows)]
+    wa = WindowAssembler(1.0, 0.5, 3600)
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
+    steps = []
+    for w, messages in enumerate(feed):
+        if prof is not None and w == args.skip:
+            prof.enable()
+        c0 = time.process_time()
+        for ref, value in enumerate(messages):
+            batch = decode(value, None)
+            validate(batch)
+            wa.add(batch, ref)
+        c1 = time.process_time()
+        closed = wa.pop_closed()
+        c2 = time.process_time()
+        vectors = [window_features(x) for x in closed]
+        c3 = time.process_time()
+        steps.append({"decode_and_fold": c1 - c0, "pop_closed": c2 - c1, "window_features": c3 - c2,
+                      "total": c3 - c0, "windows": len(closed), "features": sum(len(v) for v in vectors)})
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(args.profile)
+    steady = steps[args.skip:-1]  # the last window's features run on the next step
+    out = {"code": args.code, "ranks": args.ranks, "messages_per_window": len(feed[0]),
+           "windows_per_step": steady[0]["windows"], "features_per_step": steady[0]["features"],
+           "clock": "process_time", "steps": len(steady),
+           "cpu_s_median": {k: round(float(np.median([s[k] for s in steady])), 4)
+                            for k in ("decode_and_fold", "pop_closed", "window_features", "total")}}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
