@@ -18,14 +18,14 @@ name: ci_straggler
 description: a short straggler for CI
 workload: ddp_cpu
 ranks: 3
-duration_s: 24
+duration_s: 16
 window_s: 0.5
 requires: [root, cgroup_cpu]
 fault:
   kind: cpu_quota
   rank: 2
-  start_s: 6
-  duration_s: 12
+  start_s: 4
+  duration_s: 8
   strength: 0.85
   params: {cpus: 1, period_us: 100000}
 expect:
@@ -58,7 +58,7 @@ def test_short_straggler_scenario_is_detected_end_to_end(tmp_path):
     from fleetscope.bench_cli import run_in_child
     path = tmp_path / "ci_straggler.yaml"
     path.write_text(SCENARIO)
-    opts = {"out_dir": str(tmp_path / "out"), "warmup_windows": 12, "work_dir": str(tmp_path / "work")}
+    opts = {"out_dir": str(tmp_path / "out"), "warmup_windows": 10, "work_dir": str(tmp_path / "work")}
     t0 = time.monotonic()
     result = run_in_child(path, opts, tmp_path / "run.log")
     wall = time.monotonic() - t0
@@ -68,7 +68,7 @@ def test_short_straggler_scenario_is_detected_end_to_end(tmp_path):
                                                      f"{(tmp_path / 'run.log').read_text()[-3000:]}")
     assert s["detection_delay_windows"] <= 6, s  # within 3 s of the quota starting
     assert s["recall"] >= 0.5 and s["precision"] >= 0.5, s
-    assert result["fault"]["injected"]["fault_on"] == pytest.approx(6.0, abs=1.0)
+    assert result["fault"]["injected"]["fault_on"] == pytest.approx(4.0, abs=1.0)
     assert Path(result["plot"]).stat().st_size > 10_000
     # nothing left behind: the rank processes, the stack's data dir holds no live endpoint, the cgroup is gone
     assert _our_processes(result["job"]) == []
