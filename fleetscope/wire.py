@@ -33,6 +33,7 @@ SCHEMA_VERSION = 1
 _PREFIX = struct.Struct("<4sHHII")
 _COL_HEAD = struct.Struct("<B")
 _COL_TYPE = struct.Struct("<BI")
+_SIZE = struct.Struct("<I")
 _CRC = struct.Struct("<I")
 
 # Kafka header names; the same facts are inside the payload, and decode
@@ -192,28 +193,45 @@ def _parse_meta(buf: memoryview, pos: int, meta_len: int, end: int) -> dict:
     return meta
 
 
+_HEADS: dict[bytes, tuple[str, int]] = {}  # a column's name bytes + type code -> (name, type code)
+_VOCABS: dict[bytes, tuple[str, ...]] = {}  # a string column's dictionary JSON -> its values
+_CACHE_MAX = 4096  # entries per cache; producers repeat the same few columns and dictionaries
+
+
+def _remember(cache: dict, key: bytes, value):
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _parse_column(buf: memoryview, pos: int, end: int, n_rows: int, index: int):
     _need(pos, 1, end, f"column {index} name length")
-    (name_len,) = _COL_HEAD.unpack_from(buf, pos)
+    name_len = buf[pos]
     pos += 1
-    _need(pos, name_len, end, f"column {index} name")
-    try:
-        name = bytes(buf[pos:pos + name_len]).decode()
-    except UnicodeDecodeError:
-        raise WireError(f"column {index} name is not UTF-8") from None
+    head = bytes(buf[pos:pos + name_len + 1])  # the name and the type code
+    known = _HEADS.get(head)
+    if known is None or pos + name_len + _COL_TYPE.size > end:
+        _need(pos, name_len, end, f"column {index} name")
+        try:
+            name = head[:name_len].decode()
+        except UnicodeDecodeError:
+            raise WireError(f"column {index} name is not UTF-8") from None
+        _need(pos + name_len, _COL_TYPE.size, end, f"column {name!r} type")
+        known = _remember(_HEADS, head, (name, head[name_len]))
+    name, code = known
     pos += name_len
-    _need(pos, _COL_TYPE.size, end, f"column {name!r} type")
-    code, size = _COL_TYPE.unpack_from(buf, pos)
+    (size,) = _SIZE.unpack_from(buf, pos + 1)
     pos += _COL_TYPE.size
-    _need(pos, size, end, f"column {name!r} data")
-    data = buf[pos:pos + size]
-    if code in _NUMERIC_CODES:
-        dt = _NUMERIC_CODES[code]
+    if pos + size > end:
+        _need(pos, size, end, f"column {name!r} data")
+    dt = _NUMERIC_CODES.get(code)
+    if dt is not None:
         if size != n_rows * dt.itemsize:
             raise WireError(f"column {name!r}: {size} bytes is not {n_rows} rows of {dt}")
-        col: Column = np.frombuffer(data, dtype=dt)
+        col: Column = np.frombuffer(buf, dtype=dt, count=n_rows, offset=pos)
     elif code == _STR_CODE:
-        col = _parse_str_column(name, data, n_rows)
+        col = _parse_str_column(name, buf[pos:pos + size], n_rows)
     else:
         raise WireError(f"column {name!r}: unknown type code {code}")
     return name, col, pos + size
@@ -222,19 +240,23 @@ def _parse_column(buf: memoryview, pos: int, end: int, n_rows: int, index: int):
 def _parse_str_column(name: str, data: memoryview, n_rows: int) -> StrColumn:
     if len(data) < 4:
         raise WireError(f"string column {name!r} lacks its dictionary length")
-    (vocab_len,) = struct.unpack_from("<I", data, 0)
+    (vocab_len,) = _SIZE.unpack_from(data, 0)
     if 4 + vocab_len + 4 * n_rows != len(data):
         raise WireError(f"string column {name!r}: sizes do not add up ({len(data)} bytes for {n_rows} rows)")
-    try:
-        values = json.loads(bytes(data[4:4 + vocab_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"string column {name!r}: dictionary is not valid JSON: {exc}") from None
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise WireError(f"string column {name!r}: dictionary is not a list of strings")
-    codes = np.frombuffer(data[4 + vocab_len:], dtype="<u4")
+    raw = bytes(data[4:4 + vocab_len])
+    values = _VOCABS.get(raw)
+    if values is None:
+        try:
+            parsed = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise WireError(f"string column {name!r}: dictionary is not valid JSON: {exc}") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise WireError(f"string column {name!r}: dictionary is not a list of strings")
+        values = _remember(_VOCABS, raw, tuple(parsed))
+    codes = np.frombuffer(data, dtype="<u4", offset=4 + vocab_len)
     if n_rows and int(codes.max()) >= len(values):
         raise WireError(f"string column {name!r}: code {int(codes.max())} outside a dictionary of {len(values)}")
-    return StrColumn(codes, tuple(values))
+    return StrColumn(codes, values)
 
 
 def _check_headers(batch: Batch, version: int, headers) -> None:

@@ -15,12 +15,12 @@ LIMITING = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "hw_power_brak
 
 
 def _sum_deltas(w: Window, metric: str) -> float | None:
-    aggs = [a for _, a in w.devices("nvml", metric) if a.interval_ns > 0]
+    aggs = [a for a in w.devices("nvml", metric) if a.interval_ns > 0]
     return sum(a.delta_sum for a in aggs) if aggs else None
 
 
 def _gauge_means(w: Window, metric: str) -> list[float]:
-    return [a.gauge_sum / a.gauge_n for _, a in w.devices("nvml", metric) if a.gauge_n]
+    return [a.gauge_sum / a.gauge_n for a in w.devices("nvml", metric) if a.gauge_n]
 
 
 def gpu_features(w: Window) -> dict[str, float]:
@@ -39,10 +39,10 @@ def gpu_features(w: Window) -> dict[str, float]:
         means = _gauge_means(w, metric)
         if means:
             out[name] = sum(means) / len(means)
-    mem = [a.gauge_last for _, a in w.devices("nvml", "nvml.proc_mem_used") if a.gauge_n]
+    mem = [a.gauge_last for a in w.devices("nvml", "nvml.proc_mem_used") if a.gauge_n]
     if mem:
         out["gpu_proc_mem_bytes"] = sum(mem)
-    flags = [a.gauge_last for reason in LIMITING for _, a in w.devices("nvml", f"nvml.throttle.{reason}") if a.gauge_n]
+    flags = [a.gauge_last for reason in LIMITING for a in w.devices("nvml", f"nvml.throttle.{reason}") if a.gauge_n]
     if flags:
         out["gpu_throttled"] = float(max(flags) > 0)
     return out

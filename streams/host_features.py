@@ -28,7 +28,7 @@ def _rate(w: Window, metric: str, device: str = "all") -> float | None:
 
 def _rate_over_devices(w: Window, metric: str, skip=("lo",)) -> float | None:
     rates = [agg.delta_sum / (agg.interval_ns / 1e9)
-             for dev, agg in w.devices("host", metric) if dev not in skip and agg.interval_ns > 0]
+             for agg in w.devices("host", metric) if agg.device not in skip and agg.interval_ns > 0]
     return sum(rates) if rates else None
 
 
@@ -45,9 +45,9 @@ def _cpu(w: Window, out: dict) -> None:
         out[f"cpu_{state}_frac"] = secs[state].delta_sum / total
     per_cpu: dict[str, list[float]] = {}
     for state in CPU_STATES:
-        for dev, agg in w.devices("host", f"cpu.{state}"):
-            if dev.startswith("cpu") and agg.interval_ns > 0:
-                busy_idle = per_cpu.setdefault(dev, [0.0, 0.0])
+        for agg in w.devices("host", f"cpu.{state}"):
+            if agg.device.startswith("cpu") and agg.interval_ns > 0:
+                busy_idle = per_cpu.setdefault(agg.device, [0.0, 0.0])
                 busy_idle[1 if state in ("idle", "iowait") else 0] += agg.delta_sum
     fracs = [b / (b + i) for b, i in per_cpu.values() if b + i > 0]
     if fracs:

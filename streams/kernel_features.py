@@ -10,7 +10,7 @@ from streams.windows import Window
 
 
 def _rate(w: Window, metric: str) -> float | None:
-    aggs = [a for _, a in w.devices("kernel", metric) if a.interval_ns > 0]
+    aggs = [a for a in w.devices("kernel", metric) if a.interval_ns > 0]
     if not aggs:
         return None
     # every device of one metric covers the same ticks; average their spans

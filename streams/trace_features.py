@@ -10,6 +10,8 @@ a gauge per tick, so the window keeps its maximum p99 and its mean p50.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from streams.windows import MetricAgg, Window
 
 SYNC_APIS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize")
@@ -26,18 +28,27 @@ def _window_s(w: Window) -> float:
     return (w.end_ns - w.start_ns) / 1e9
 
 
-def _deltas(w: Window, source: str, metric: str, devices=None) -> list[tuple[str, MetricAgg]]:
-    return [(d, a) for d, a in w.devices(source, metric)
-            if a.interval_ns > 0 and (devices is None or d in devices)]
+def _devices(w: Window, source: str, metric: str, devices) -> tuple[MetricAgg, ...] | list[MetricAgg]:
+    """The metric's devices in the window, or those named in `devices` (a device appears once per metric)."""
+    if devices is None:
+        return w.devices(source, metric)
+    if len(devices) == 1:
+        found = w.agg(source, metric, devices[0])
+        return () if found is None else (found,)
+    return [a for a in w.devices(source, metric) if a.device in devices]
+
+
+def _deltas(w: Window, source: str, metric: str, devices=None) -> list[MetricAgg]:
+    return [a for a in _devices(w, source, metric, devices) if a.interval_ns > 0]
 
 
 def _sum(w: Window, source: str, metric: str, devices=None) -> float | None:
     aggs = _deltas(w, source, metric, devices)
-    return sum(a.delta_sum for _, a in aggs) if aggs else None
+    return sum(a.delta_sum for a in aggs) if aggs else None
 
 
 def _gauges(w: Window, source: str, metric: str, devices=None) -> list[MetricAgg]:
-    return [a for d, a in w.devices(source, metric) if a.gauge_n and (devices is None or d in devices)]
+    return [a for a in _devices(w, source, metric, devices) if a.gauge_n]
 
 
 def _put(out: dict, name: str, value: float | None) -> None:
@@ -118,14 +129,15 @@ def python_features(w: Window) -> dict[str, float]:
     _put(out, "python_gc_per_s", None if gc_n is None else gc_n / span)
     calls = _deltas(w, "python", "python.calls")
     if calls:
-        total = sum(a.delta_sum for _, a in calls)
+        total = sum(a.delta_sum for a in calls)
         out["python_calls_per_s"] = total / span
-        func_ns = [a.delta_sum for d, a in _deltas(w, "python", "python.func_ns") if d != "other"]
+        func_ns = [a.delta_sum for a in _deltas(w, "python", "python.func_ns") if a.device != "other"]
         if func_ns:  # inclusive time, so nested calls overlap: the top function's share of the window
             out["python_top_func_share"] = max(func_ns) / 1e9 / span
     return out
 
 
+@lru_cache(maxsize=4096)
 def _torch_class(op: str) -> str:
     name = op.split("::")[-1].lower()
     for cls, fragments in TORCH_CLASSES:
@@ -142,10 +154,10 @@ def torch_features(w: Window) -> dict[str, float]:
     if not ops:
         return {}
     span = _window_s(w)
-    out = {"torch_ops_per_s": sum(a.delta_sum for _, a in ops) / span}
+    out = {"torch_ops_per_s": sum(a.delta_sum for a in ops) / span}
     by_class = {"matmul": 0.0, "elementwise": 0.0, "other": 0.0}
-    for op, agg in ops:
-        by_class[_torch_class(op)] += agg.delta_sum
+    for agg in ops:
+        by_class[_torch_class(agg.device)] += agg.delta_sum
     for cls, n in by_class.items():
         out[f"torch_{cls}_ops_per_s"] = n / span
     op_ns = _sum(w, "torch", "torch.op_ns")

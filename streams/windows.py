@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import islice
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,15 +30,21 @@ from streams.series import Interner, SeriesNumbers, series_code, split_code
 StreamKey = tuple[str, str, str, int]  # tenant, job, host, rank
 
 
-@dataclass(slots=True)
-class MetricAgg:
-    """One series in one window: deltas summed, gauges' last value and mean."""
+class MetricAgg(NamedTuple):
+    """One series in one window: deltas summed, gauges' last value and mean.
+
+    A tuple of numbers and a string, so the garbage collector stops tracking it (a worker holds one per
+    series and window it has not stored yet)."""
 
     delta_sum: float
     interval_ns: int
     gauge_last: float
     gauge_sum: float
     gauge_n: int
+    device: str
+
+
+Devices = tuple[MetricAgg, ...]  # one metric's devices in the key's order of first sight
 
 
 class Window:
@@ -47,29 +55,23 @@ class Window:
         self.event_count = 0
         self.messages: list = []  # message refs that fed this window
         self._assembler = assembler
-        self._by_metric: dict[tuple[str, str], list[tuple[str, MetricAgg]]] | None = None
-        self._by_series: dict[tuple[str, str, str], MetricAgg] = {}
+        # (source, metric, device) -> MetricAgg and (source, metric) -> its devices (a MetricAgg when there
+        # is one), in one dict: the window's only object the garbage collector keeps tracking
+        self._series: dict[tuple, Devices | MetricAgg] | None = None
 
-    def _set_aggs(self, by_metric: dict, by_series: dict) -> None:
-        self._by_metric, self._by_series = by_metric, by_series
-
-    def _index(self) -> dict[tuple[str, str], list[tuple[str, MetricAgg]]]:
-        if self._by_metric is None:  # an open window read before it closed: aggregate what it has so far
+    def _index(self) -> dict:
+        if self._series is None:  # an open window read before it closed: aggregate what it has so far
             self._assembler.aggregate_open()
-        return self._by_metric
+        return self._series
 
     def agg(self, source: str, metric: str, device: str = "all") -> MetricAgg | None:
         """The series' aggregate in this window, or None if it sent nothing here."""
-        self._index()
-        return self._by_series.get((source, metric, device))
+        return self._index().get((source, metric, device))
 
-    def devices(self, source: str, metric: str) -> list[tuple[str, MetricAgg]]:
-        """Every device of one metric that sent something in this window, in the key's order of first sight.
-        The list is shared: do not modify it."""
-        return self._index().get((source, metric), _EMPTY)
-
-
-_EMPTY: list = []
+    def devices(self, source: str, metric: str) -> Devices:
+        """Every device of one metric that sent something in this window, in the key's order of first sight."""
+        found = self._index().get((source, metric), ())
+        return (found,) if type(found) is MetricAgg else found
 
 
 @dataclass
@@ -148,7 +150,7 @@ class WindowAssembler:
         self.stats = WindowStats()
         self.log = RowLog()
         self._slots = 0
-        self._code_names: dict[int, tuple[tuple[str, str], str]] = {}
+        self._code_names: dict[int, tuple] = {}  # series code -> its keys in Window._series
 
     def _state(self, key: StreamKey) -> _KeyState:
         state = self.keys.get(key)
@@ -194,8 +196,8 @@ class WindowAssembler:
                 if window is None:
                     window = self.open[(key, start)] = Window(key, start, start + self.window_ns, self._slots, self)
                     self._slots += 1
-                elif window._by_metric is not None:
-                    window._by_metric = None  # read while open: aggregate again with these rows
+                elif window._series is not None:
+                    window._series = None  # read while open: aggregate again with these rows
                 window.sources.add(batch.source)
                 window.event_count += count
                 window.messages.append(message_ref)
@@ -219,7 +221,7 @@ class WindowAssembler:
             return
         if not self.log:
             for w in windows:
-                w._set_aggs({}, {})
+                w._series = {}
             return
         rows = self.log.rows()
         slot = rows["slot"]
@@ -240,33 +242,39 @@ class WindowAssembler:
         """Hand each window its series' aggregates, indexed by (source, metric) and (source, metric, device)."""
         bounds = np.searchsorted(out["window"], np.arange(len(windows) + 1)).tolist()
         code_names = self._code_names
-        cols = [out[k].tolist() for k in ("code", "delta_sum", "interval_ns", "gauge_last", "gauge_sum", "gauge_n")]
-        entries = list(zip(*cols))
-        for i, w in enumerate(windows):
-            by_metric: dict = {}
-            by_series: dict = {}
-            for code, d_sum, span, g_last, g_sum, g_n in entries[bounds[i]:bounds[i + 1]]:
-                names = code_names.get(code)
-                if names is None:
-                    names = code_names[code] = self._names_of(code)
-                agg = MetricAgg(d_sum, int(span), g_last, g_sum, g_n)
-                sm, dev = names
-                found = by_metric.get(sm)
+        names = [code_names.get(c) or self._names_of(c) for c in out["code"].tolist()]
+        aggs = map(MetricAgg._make, zip(out["delta_sum"].tolist(), out["interval_ns"].astype(np.int64).tolist(),
+                                        out["gauge_last"].tolist(), out["gauge_sum"].tolist(),
+                                        out["gauge_n"].tolist(), [n[2] for n in names]))
+        entries = zip(names, aggs)
+        for w, n in zip(windows, np.diff(bounds).tolist()):
+            index: dict = {}
+            several = None
+            for (sm, smd, _), agg in islice(entries, n):
+                index[smd] = agg
+                found = index.get(sm)
                 if found is None:
-                    by_metric[sm] = [(dev, agg)]
+                    index[sm] = agg
                 else:
-                    found.append((dev, agg))
-                by_series[(sm[0], sm[1], dev)] = agg
-            w._set_aggs(by_metric, by_series)
+                    if several is None:
+                        several = {}
+                    if sm in several:
+                        several[sm].append(agg)
+                    else:
+                        several[sm] = [found, agg]
+            if several:
+                for sm, devs in several.items():
+                    index[sm] = tuple(devs)
+            w._series = index
 
-    def _names_of(self, code: int) -> tuple[tuple[str, str], str]:
-        src, metric, dev = split_code(code)
-        n = self.names.names
-        return (n[src], n[metric]), n[dev]
+    def _names_of(self, code: int) -> tuple[tuple[str, str], tuple[str, str, str], str]:
+        src, metric, dev = (self.names.names[i] for i in split_code(code))
+        names = self._code_names[code] = ((src, metric), (src, metric, dev), dev)
+        return names
 
     def aggregate_open(self) -> None:
         """Aggregates of the open windows as they stand (they stay open and keep their rows)."""
-        self._aggregate([w for w in self.open.values() if w._by_metric is None], remove=False)
+        self._aggregate([w for w in self.open.values() if w._series is None], remove=False)
 
     def pop_closed(self, force: bool = False) -> list[Window]:
         """Windows whose key's watermark passed end + lateness, or idle keys' windows."""
