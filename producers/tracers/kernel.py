@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fleetscope.wire import Batch
-from producers.tracers.rows import identity, metric_batch
+from producers.tracers.rows import diff, identity, metric_batch
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +125,7 @@ class KernelTracer:
 
     def _diff(self, name: str, current: dict) -> dict:
         """Positive increases since the last read; keys gone from the map are forgotten."""
-        prev = self._prev[name]
-        # A key absent last time counts from zero (it was created since); a
-        # smaller value means the key was evicted and re-created, so count it whole.
-        out = {}
-        for k, v in current.items():
-            d = v - prev.get(k, 0)
-            if d < 0:
-                d = v
-            if d > 0:
-                out[k] = d
+        out = diff(self._prev[name], current)
         self._prev[name] = current
         return out
 
