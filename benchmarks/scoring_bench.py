@@ -30,7 +30,9 @@
    (handle every batch of the window's two ticks, then flush). Per-step time
    (handle + flush) is wall and CPU time; where it goes comes from timing
    wrappers around the stages (decode+fold, raw insert, window features,
-   feature insert, model, score/anomaly inserts, diagnosis, checkpoint). The
+   feature insert, model, score/anomaly inserts, diagnosis, checkpoint), wall
+   and CPU (mean_cpu_s: on a shared machine the CPU time is the steadier
+   number), plus the garbage collector's CPU time inside the step. The
    backlog is simulated from the measured step times, as a real-time feed
    would build it: lag_k = max(0, lag_{k-1} + step_k - 1 s). The same feed
    with StreamProcessor(scoring=False) is the baseline, in the same run.
@@ -45,6 +47,7 @@ for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
@@ -280,23 +283,36 @@ def latency(n_ranks: int, warmup: int, fault_windows: int) -> dict:
 # ---- 3. scale ------------------------------------------------------------------------
 
 class StageTimer:
-    """Wall time of named stages within the current step (wrappers around the processor's parts)."""
+    """Wall and CPU time of named stages within the current step (wrappers around the processor's parts),
+    and the step's time in the cyclic garbage collector (spent inside whichever stage allocated)."""
 
     def __init__(self):
         self.step: dict[str, float] = defaultdict(float)
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase, info) -> None:
+        if phase == "start":
+            self._gc_start = time.process_time()
+        else:
+            self.step["gc_cpu"] += time.process_time() - self._gc_start
 
     def wrap(self, name: str, fn):
         def timed(*a, **kw):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             try:
                 return fn(*a, **kw)
             finally:
                 self.step[name] += time.perf_counter() - t
+                self.step[f"{name}_cpu"] += time.process_time() - c
         return timed
 
     def take(self) -> dict[str, float]:
         out, self.step = dict(self.step), defaultdict(float)
         return out
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc)
 
 
 def instrument(proc: StreamProcessor, store, timer: StageTimer) -> None:
@@ -331,6 +347,7 @@ def scale(n_ranks: int, windows: int, scoring: bool, warmup: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="scoring-bench-scale-"))
     store = open_store(tmp, clickhouse_url=None, prefer_endpoint=False)
     store.migrate()
+    timer = None
     try:
         cfg = Config(data_dir=tmp, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=3600, warmup_windows=warmup,
                      step_hold_s=3600)
@@ -362,7 +379,12 @@ def scale(n_ranks: int, windows: int, scoring: bool, warmup: int) -> dict:
         cpu = [s["cpu_s"] for s in steady]
         stages = sorted({k for s in steady for k in s if k not in ("wall_s", "cpu_s", "windows_out")})
         where = {k: {"mean_s": round(float(np.mean([s.get(k, 0.0) for s in steady])), 4),
-                     "p99_s": pct([s.get(k, 0.0) for s in steady], 99)} for k in stages}
+                     "p99_s": pct([s.get(k, 0.0) for s in steady], 99)} for k in stages if not k.endswith("_cpu")}
+        for k, v in where.items():
+            if f"{k}_cpu" in stages:
+                v["mean_cpu_s"] = round(float(np.mean([s.get(f"{k}_cpu", 0.0) for s in steady])), 4)
+        where["gc"] = {"mean_cpu_s": round(float(np.mean([s.get("gc_cpu", 0.0) for s in steady])), 4),
+                       "p99_cpu_s": pct([s.get("gc_cpu", 0.0) for s in steady], 99)}
         half = len(wall) // 2
         snap = proc.snapshot()
         return {"scoring": scoring, "ranks": n_ranks, "nodes": len(fleet.nodes), "window_s": cfg.window_s,
@@ -379,6 +401,8 @@ def scale(n_ranks: int, windows: int, scoring: bool, warmup: int) -> dict:
                                                        "store_errors", "model_node_join_misses")}}
     finally:
         sinks.window_features = real_features
+        if timer is not None:
+            timer.close()
         store.close()
 
 
@@ -422,8 +446,21 @@ def main(argv=None) -> dict:
     return result
 
 
+def carry_over(res: dict, out: Path) -> None:
+    """Parts this run skipped keep the previous file's results, marked as such with that run's machine."""
+    if not out.exists():
+        return
+    old = json.loads(out.read_text())
+    kept = [p for p in ("throughput", "latency", "scale") if p not in res and p in old]
+    if kept:
+        res.update({p: old[p] for p in kept})
+        res["carried_over"] = {"parts": kept, "their_machine": old.get("carried_over", {}).get("their_machine")
+                               if set(kept) <= set(old.get("carried_over", {}).get("parts", [])) else old["machine"]}
+
+
 if __name__ == "__main__":
     res = main()
     out = Path(parse_args().out)
-    out.write_text(json.dumps(res, indent=2) + "\n")   # only what this run measured
+    carry_over(res, out)
+    out.write_text(json.dumps(res, indent=2) + "\n")   # measured numbers only; skipped parts marked carried over
     print(f"wrote {out}")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("decode_validate", "fold", "pop_closed", "window_features", "total", "of_which_gc")
 
 
 def main(argv=None) -> dict:
@@ -30,6 +31,8 @@ def main(argv=None) -> dict:
     p.add_argument("--skip", type=int, default=2, help="first windows left out of the stats")
     p.add_argument("--code", default=str(ROOT), help="checkout whose streams/ and fleetscope/ run")
     p.add_argument("--profile", help="write a cProfile of the timed part here")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() once the feed is built (what a worker could do after its start-up)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, args.code)  # imported first, so these modules are the ones cached
@@ -46,6 +49,8 @@ def main(argv=None) -> dict:
     feed = [[encode(b) for k in (0, 1) for b in fleet.tick(t0 + (2 * w + k) * TICK + TICK // 2, w)]
             for w in range(args.windows)]
     wa = WindowAssembler(1.0, 0.5, 3600)
+    if args.gc_freeze:
+        gc.freeze()
     gc_s = [0.0]
     gc_start = [0.0]
 
@@ -82,11 +87,12 @@ def main(argv=None) -> dict:
         prof.disable()
         prof.dump_stats(args.profile)
     steady = steps[args.skip:-1]  # the last window's features run on the next step
-    out = {"code": args.code, "ranks": args.ranks, "messages_per_window": len(feed[0]),
+    out = {"code": args.code, "gc_freeze": args.gc_freeze, "ranks": args.ranks, "messages_per_window": len(feed[0]),
            "windows_per_step": steady[0]["windows"], "features_per_step": steady[0]["features"],
            "clock": "process_time", "steps": len(steady),
            "cpu_s_median": {k: round(float(np.median([s[k] for s in steady])), 4)
-                            for k in ("decode_validate", "fold", "pop_closed", "window_features", "total", "of_which_gc")}}
+                            for k in STAGES},
+           "cpu_s_mean": {k: round(float(np.mean([s[k] for s in steady])), 4) for k in STAGES}}
     print(json.dumps(out))
     return out
 

@@ -42,9 +42,12 @@ def _deltas(w: Window, source: str, metric: str, devices=None) -> list[MetricAgg
     return [a for a in _devices(w, source, metric, devices) if a.interval_ns > 0]
 
 
-def _sum(w: Window, source: str, metric: str, devices=None) -> float | None:
-    aggs = _deltas(w, source, metric, devices)
+def _total(aggs) -> float | None:
     return sum(a.delta_sum for a in aggs) if aggs else None
+
+
+def _sum(w: Window, source: str, metric: str, devices=None) -> float | None:
+    return _total(_deltas(w, source, metric, devices))
 
 
 def _gauges(w: Window, source: str, metric: str, devices=None) -> list[MetricAgg]:
@@ -96,8 +99,10 @@ def nccl_features(w: Window) -> dict[str, float]:
     calls = _sum(w, "nccl", "nccl.calls", COLLECTIVES)
     if calls is None:
         return out
-    moved = _sum(w, "nccl", "nccl.bytes", COLLECTIVES) or 0.0
-    busy_ns = _sum(w, "nccl", "nccl.dur_ns", COLLECTIVES) or 0.0
+    op_bytes = _deltas(w, "nccl", "nccl.bytes", COLLECTIVES)
+    op_ns = _deltas(w, "nccl", "nccl.dur_ns", COLLECTIVES)
+    moved = _total(op_bytes) or 0.0
+    busy_ns = _total(op_ns) or 0.0
     out["nccl_calls_per_s"] = calls / span
     out["nccl_bytes_per_s"] = moved / span
     out["nccl_time_frac"] = busy_ns / 1e9 / span
@@ -109,13 +114,16 @@ def nccl_features(w: Window) -> dict[str, float]:
     p99 = _gauges(w, "nccl", "nccl.lat_p99_ns", COLLECTIVES)
     if p99:
         out["nccl_lat_p99_ns"] = max(a.gauge_last for a in p99)
+    # per collective (a device appears once per metric): its p99 and its bytes over its time
+    p99_of = {a.device: a for a in p99}
+    bytes_of, ns_of = {a.device: a for a in op_bytes}, {a.device: a for a in op_ns}
     for op in COLLECTIVES:
-        op_p99 = _gauges(w, "nccl", "nccl.lat_p99_ns", (op,))
-        if op_p99:
-            out[f"nccl_{op.lower()}_lat_p99_ns"] = max(a.gauge_last for a in op_p99)
-        op_bytes, op_ns = _sum(w, "nccl", "nccl.bytes", (op,)), _sum(w, "nccl", "nccl.dur_ns", (op,))
-        if op_bytes is not None and op_ns:
-            out[f"nccl_{op.lower()}_algbw_gbps"] = op_bytes / op_ns
+        if op in p99_of:
+            out[f"nccl_{op.lower()}_lat_p99_ns"] = p99_of[op].gauge_last
+        if op in bytes_of and op in ns_of:
+            moved_op, busy_op = _total((bytes_of[op],)), _total((ns_of[op],))
+            if busy_op:
+                out[f"nccl_{op.lower()}_algbw_gbps"] = moved_op / busy_op
     return out
 
 
