@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     summary = summarize(scores, healthy)
     print(json.dumps({"overrides": overrides, "summary": summary}, default=float))
     if args.json:
-        Path(args.json).write_text(json.dumps({"overrides": overrides, "scenarios": out, "summary": summary},
+        Path(args.json).write_text(json.dumps({"note": "diagnoses are not replayed: kb_* fields say nothing",
+                                               "overrides": overrides, "scenarios": out, "summary": summary},
                                               indent=1, default=float) + "\n")
     return 0
 
