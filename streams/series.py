@@ -14,6 +14,7 @@ import numpy as np
 
 _BITS = 21  # ids per field: 2M distinct metric names / devices per worker
 _DICT_CACHE = 4096  # distinct string dictionaries remembered
+_LAYOUT_CACHE = 16384  # distinct batch layouts (keys, rows per key, series) remembered
 
 
 class Interner:
@@ -22,7 +23,7 @@ class Interner:
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
         self.names: list[str] = []
-        self._dicts: dict[tuple[str, ...], np.ndarray] = {}
+        self._dicts: dict[tuple, np.ndarray] = {}  # string dictionary (or source, dictionary) -> ids (bits)
 
     def id(self, name: str) -> int:
         i = self.ids.get(name)
@@ -32,6 +33,16 @@ class Interner:
                 raise OverflowError(f"more than {1 << _BITS} distinct names")
             self.names.append(name)
         return i
+
+    def metric_bits(self, source: str, metrics: tuple[str, ...]) -> np.ndarray:
+        """series_code's source and metric bits for each value of a metric dictionary (cached like ids_of)."""
+        bits = self._dicts.get((source, metrics))
+        if bits is None:
+            bits = series_code(self.id(source), self.ids_of(metrics), np.int64(0))
+            if len(self._dicts) >= _DICT_CACHE:
+                self._dicts.clear()
+            self._dicts[(source, metrics)] = bits
+        return bits
 
     def ids_of(self, values: tuple[str, ...]) -> np.ndarray:
         """The ids of a batch's string dictionary (one lookup per distinct dictionary, not per batch)."""
@@ -87,6 +98,7 @@ class SeriesNumbers:
         self._sid = _SortedIds()  # series code -> worker-wide series id
         self._local = _SortedIds()  # key << _BITS | series id -> the key's number for it
         self.counts: list[int] = []  # series per key
+        self._layouts: dict[tuple, np.ndarray] = {}
 
     def new_key(self) -> int:
         self.counts.append(0)
@@ -103,10 +115,22 @@ class SeriesNumbers:
             pos, known = self._sid.find(codes)
         return self._sid.vals[pos]
 
-    def local(self, key_ids: np.ndarray | int, codes: np.ndarray, counts: list[int]) -> np.ndarray:
+    def local(self, key_ids: list[int], counts: list[int], codes: np.ndarray) -> np.ndarray:
         """The keys' numbers for these rows' series, numbering the new ones. The rows come as runs of
-        `counts` rows, one run per (key, window) group in sorted group order."""
-        pairs = (np.asarray(key_ids, dtype=np.int64) << _BITS) | self._sids(codes)
+        `counts` rows, one run per (key, window) group of key_ids[i], in sorted group order. A node
+        sends the same layout every tick, so answers are remembered by layout (numbers never change)."""
+        layout = (tuple(key_ids), tuple(counts), codes.tobytes())
+        found = self._layouts.get(layout)
+        if found is None:
+            found = self._number(np.repeat(np.array(key_ids, dtype=np.int64), counts), counts, codes)
+            found.flags.writeable = False
+            if len(self._layouts) >= _LAYOUT_CACHE:
+                self._layouts.clear()
+            self._layouts[layout] = found
+        return found
+
+    def _number(self, key_ids: np.ndarray, counts: list[int], codes: np.ndarray) -> np.ndarray:
+        pairs = (key_ids << _BITS) | self._sids(codes)
         pos, known = self._local.find(pairs)
         if known.all():
             return self._local.vals[pos]

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fleetscope.wire import Batch
-from streams.series import Interner, SeriesNumbers, series_code, split_code
+from streams.series import Interner, SeriesNumbers, split_code
 
 StreamKey = tuple[str, str, str, int]  # tenant, job, host, rank
 
@@ -171,8 +171,7 @@ class WindowAssembler:
             value = scale_sampled(value, interval, cols["sample_frac"])
         metric, device = cols["metric"], cols["device"]
         names = self.names
-        codes = series_code(names.id(batch.source), names.ids_of(metric.values)[metric.codes],
-                            names.ids_of(device.values)[device.codes])
+        codes = names.metric_bits(batch.source, metric.values)[metric.codes] | names.ids_of(device.values)[device.codes]
         groups, order = _groups(tenant, job, rank, ts, self.window_ns)
         if order is not None:  # rows regrouped (stable: each group keeps its rows' order)
             codes, value, interval, ts = codes[order], value[order], interval[order], ts[order]
@@ -211,7 +210,7 @@ class WindowAssembler:
                 keep = np.repeat(np.array(slots) >= 0, counts)
                 codes, value, interval, ts = codes[keep], value[keep], interval[keep], ts[keep]
                 slots, key_ids, counts = zip(*[g for g in zip(slots, key_ids, counts) if g[0] >= 0])
-            local = self.series.local(key_ids[0] if len(key_ids) == 1 else np.repeat(key_ids, counts), codes, counts)
+            local = self.series.local(list(key_ids), list(counts), codes)
             self.log.append(list(slots), list(counts), local, codes, value, interval, ts)
         return touched
 
@@ -342,6 +341,8 @@ def scale_sampled(value: np.ndarray, interval: np.ndarray, frac: np.ndarray) -> 
     carries no information; it is zeroed (the tracer sends none of those).
     """
     frac = np.asarray(frac, dtype=np.float64)
+    if not len(frac) or frac.min() >= 1.0:  # the common case: every probe attached all the time
+        return value
     scale = (interval > 0) & (frac < 1.0)
     if not scale.any():
         return value
