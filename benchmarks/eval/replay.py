@@ -3,8 +3,8 @@
     python -m benchmarks.eval.replay benchmarks/results/scenarios/*.json --set var_floor=0.25
 
 A run made with `--keep-data` leaves its chDB with every feature vector the stream worker
-scored. This reads them back in window order, joins each rank's host (node) features as the
-worker does (streams/scoring.py), feeds a fresh JobModel built from ModelConfig plus the
+scored. This reads them back in window order (rank features only, as the worker scores them;
+--join-node adds each rank's host features, as the live runs before that change did), feeds a fresh JobModel built from ModelConfig plus the
 given overrides, and scores the result against the same ground truth with the same scorer.
 It answers "what would this model setting have done on exactly these real runs" without
 re-running the workloads. What differs from the live run: nothing about the vectors; the
@@ -19,6 +19,9 @@ from pathlib import Path
 
 from benchmarks.eval.scenario import load_scenario
 from benchmarks.eval.scorer import WindowResult, score_run, summarize
+
+
+JOIN_NODE = False  # as streams/scoring.py: the model scores each rank's own features; --join-node for the old way
 
 
 def load_steps(data_dir: Path, job: str) -> list[tuple[int, list[tuple[int, dict]]]]:
@@ -37,7 +40,7 @@ def load_steps(data_dir: Path, job: str) -> list[tuple[int, list[tuple[int, dict
         store.close()
     steps: dict[int, list[tuple[int, dict]]] = {}
     for rank, host, ws, f in rows:
-        steps.setdefault(ws, []).append((rank, {**node.get((host, ws), {}), **f}))
+        steps.setdefault(ws, []).append((rank, {**(node.get((host, ws), {}) if JOIN_NODE else {}), **f}))
     return sorted(steps.items())
 
 
@@ -81,7 +84,11 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="+", help="per-scenario result JSON files of runs made with --keep-data")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a ModelConfig override, or dspot.<attr> for the thresholds")
     p.add_argument("--json", help="write the replayed scores here")
+    p.add_argument("--join-node", action="store_true",
+                   help="add the host (node) features to the rank vectors, as the worker did before they were left out")
     args = p.parse_args(argv)
+    global JOIN_NODE
+    JOIN_NODE = args.join_node
     overrides = {k: _value(v) for k, _, v in (s.partition("=") for s in args.set)}
     scores, healthy, out = {}, set(), {}
     for path in args.results:
