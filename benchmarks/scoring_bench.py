@@ -32,7 +32,9 @@
    wrappers around the stages (decode+fold, raw insert, window features,
    feature insert, model, score/anomaly inserts, diagnosis, checkpoint), wall
    and CPU (mean_cpu_s: on a shared machine the CPU time is the steadier
-   number), plus the garbage collector's CPU time inside the step. The
+   number), plus the garbage collector's CPU time inside the step. Process CPU
+   includes chDB's own threads (background merges); the worker thread's CPU
+   (time.thread_time) is reported apart. The
    backlog is simulated from the measured step times, as a real-time feed
    would build it: lag_k = max(0, lag_{k-1} + step_k - 1 s). The same feed
    with StreamProcessor(scoring=False) is the baseline, in the same run.
@@ -362,12 +364,13 @@ def scale(n_ranks: int, windows: int, scoring: bool, warmup: int) -> dict:
             batches = [b for k in (0, 1) for b in fleet.tick(t0 + (2 * w + k) * TICK + TICK // 2, w)]
             encoded = [encode(b) for b in batches]  # the producer's work, not timed
             rows_in += sum(b.count for b in batches)
-            c_wall, c_cpu = time.perf_counter(), time.process_time()
+            c_wall, c_cpu, c_thread = time.perf_counter(), time.process_time(), time.thread_time()
             for value in encoded:
                 proc.handle(value, None, MessageRef("bench.raw", 0, offset))
                 offset += 1
             proc.flush()
             steps.append({"wall_s": time.perf_counter() - c_wall, "cpu_s": time.process_time() - c_cpu,
+                          "thread_cpu_s": time.thread_time() - c_thread,
                           "windows_out": proc.stats.windows_out, **timer.take()})
         # the first steps create tables' parts, warm caches and the model; report the steady state too
         lag, lags = 0.0, []
@@ -377,7 +380,7 @@ def scale(n_ranks: int, windows: int, scoring: bool, warmup: int) -> dict:
         steady = steps[3:] if len(steps) > 6 else steps
         wall = [s["wall_s"] for s in steady]
         cpu = [s["cpu_s"] for s in steady]
-        stages = sorted({k for s in steady for k in s if k not in ("wall_s", "cpu_s", "windows_out")})
+        stages = sorted({k for s in steady for k in s if k not in ("wall_s", "cpu_s", "thread_cpu_s", "windows_out")})
         where = {k: {"mean_s": round(float(np.mean([s.get(k, 0.0) for s in steady])), 4),
                      "p99_s": pct([s.get(k, 0.0) for s in steady], 99)} for k in stages if not k.endswith("_cpu")}
         for k, v in where.items():
@@ -392,6 +395,9 @@ def scale(n_ranks: int, windows: int, scoring: bool, warmup: int) -> dict:
                 "steps_in_stats": len(steady), "step_wall_s": {"p50": pct(wall, 50), "p99": pct(wall, 99),
                                                                "max": pct(wall, 100)},
                 "step_cpu_s": {"p50": pct(cpu, 50), "p99": pct(cpu, 99)},
+                # the worker's own thread; the rest of step_cpu_s is other threads (the store's merges)
+                "step_worker_thread_cpu_s": {"p50": pct([s["thread_cpu_s"] for s in steady], 50),
+                                             "p99": pct([s["thread_cpu_s"] for s in steady], 99)},
                 "first_half_vs_second_half_median_wall_s": [pct(wall[:half], 50), pct(wall[half:], 50)],
                 "simulated_backlog_s": {"max": round(max(lags), 3), "end": round(lags[-1], 3)},
                 "keeps_up": pct(wall, 99) < cfg.window_s and lags[-1] < cfg.window_s,
