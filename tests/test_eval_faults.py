@@ -190,7 +190,7 @@ def test_relay_adds_latency_delivers_every_byte_and_toggles(echo_server):
         got, after = round_trip(relay.address, b"z")
         assert relay.errors == []
     assert 0.095 <= delayed < 0.5, f"two relay hops of 50 ms each way, measured {delayed * 1000:.0f} ms"
-    assert base < 0.05 and after < 0.05, (base, after)
+    assert base < 0.09 and after < 0.09, (base, after)  # no delay: well under the 100 ms a delayed round trip takes
     assert relay.bytes_up == relay.bytes_down == 3 + len(payload)
 
 

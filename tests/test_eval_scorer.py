@@ -143,7 +143,7 @@ def test_shipped_scenarios_load_and_their_faults_can_be_built(tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (("fault", "rank", 5), "fault.rank: 5 is not a rank of this 2-rank job"),
+    (("fault", "rank", 5), "fault.rank: 5 is not a rank of this 3-rank job"),
     (("fault", "kind", "netem"), "fault.kind: 'netem' is not one of"),
     (("fault", "duration_s", 80), "fault.duration_s: 80 is not positive and ending by the run's duration_s"),
     (("expect", "kb_entry", "gremlins"), "expect.kb_entry: 'gremlins' is not null or a KB entry"),
