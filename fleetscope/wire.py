@@ -196,6 +196,7 @@ def _parse_meta(buf: memoryview, pos: int, meta_len: int, end: int) -> dict:
 _HEADS: dict[bytes, tuple[str, int]] = {}  # a column's name bytes + type code -> (name, type code)
 _VOCABS: dict[bytes, tuple[str, ...]] = {}  # a string column's dictionary JSON -> its values
 _CACHE_MAX = 4096  # entries per cache; producers repeat the same few columns and dictionaries
+_VOCAB_CACHED_BYTES = 4096  # larger dictionaries are parsed every time (bounds the cache's memory)
 
 
 def _remember(cache: dict, key: bytes, value):
@@ -252,7 +253,9 @@ def _parse_str_column(name: str, data: memoryview, n_rows: int) -> StrColumn:
             raise WireError(f"string column {name!r}: dictionary is not valid JSON: {exc}") from None
         if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
             raise WireError(f"string column {name!r}: dictionary is not a list of strings")
-        values = _remember(_VOCABS, raw, tuple(parsed))
+        values = tuple(parsed)
+        if vocab_len <= _VOCAB_CACHED_BYTES:
+            _remember(_VOCABS, raw, values)
     codes = np.frombuffer(data, dtype="<u4", offset=4 + vocab_len)
     if n_rows and int(codes.max()) >= len(values):
         raise WireError(f"string column {name!r}: code {int(codes.max())} outside a dictionary of {len(values)}")

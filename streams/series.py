@@ -13,8 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 _BITS = 21  # ids per field: 2M distinct metric names / devices per worker
+# caches (bounded in entries and in each entry's size): producers repeat a few dictionaries and layouts
 _DICT_CACHE = 4096  # distinct string dictionaries remembered
+_DICT_CACHED_VALUES = 512  # larger dictionaries are resolved every time
 _LAYOUT_CACHE = 16384  # distinct batch layouts (keys, rows per key, series) remembered
+_LAYOUT_CACHED_ROWS = 512  # larger batches are numbered every time
 
 
 class Interner:
@@ -36,22 +39,25 @@ class Interner:
 
     def metric_bits(self, source: str, metrics: tuple[str, ...]) -> np.ndarray:
         """series_code's source and metric bits for each value of a metric dictionary (cached like ids_of)."""
-        bits = self._dicts.get((source, metrics))
+        cached = len(metrics) <= _DICT_CACHED_VALUES
+        bits = self._dicts.get((source, metrics)) if cached else None
         if bits is None:
             bits = series_code(self.id(source), self.ids_of(metrics), np.int64(0))
-            if len(self._dicts) >= _DICT_CACHE:
-                self._dicts.clear()
-            self._dicts[(source, metrics)] = bits
+            if cached:
+                if len(self._dicts) >= _DICT_CACHE:
+                    self._dicts.clear()
+                self._dicts[(source, metrics)] = bits
         return bits
 
     def ids_of(self, values: tuple[str, ...]) -> np.ndarray:
         """The ids of a batch's string dictionary (one lookup per distinct dictionary, not per batch)."""
-        ids = self._dicts.get(values)
+        ids = self._dicts.get(values) if len(values) <= _DICT_CACHED_VALUES else None
         if ids is None:
-            if len(self._dicts) >= _DICT_CACHE:
-                self._dicts.clear()
-            ids = self._dicts[values] = np.fromiter((self.id(v) for v in values), dtype=np.int64,
-                                                    count=len(values))
+            ids = np.fromiter((self.id(v) for v in values), dtype=np.int64, count=len(values))
+            if len(values) <= _DICT_CACHED_VALUES:
+                if len(self._dicts) >= _DICT_CACHE:
+                    self._dicts.clear()
+                self._dicts[values] = ids
         return ids
 
 
@@ -119,6 +125,8 @@ class SeriesNumbers:
         """The keys' numbers for these rows' series, numbering the new ones. The rows come as runs of
         `counts` rows, one run per (key, window) group of key_ids[i], in sorted group order. A node
         sends the same layout every tick, so answers are remembered by layout (numbers never change)."""
+        if len(codes) > _LAYOUT_CACHED_ROWS:  # a large batch: the lookup is a small part of its cost
+            return self._number(np.repeat(np.array(key_ids, dtype=np.int64), counts), counts, codes)
         layout = (tuple(key_ids), tuple(counts), codes.tobytes())
         found = self._layouts.get(layout)
         if found is None:
