@@ -8,8 +8,9 @@ process (time.process_time), so other work on a shared machine inflates them
 little; the steady state leaves out the first windows.
 
 `--code DIR` runs another checkout's streams/ and fleetscope/ (e.g. a
-`git archive` of an older commit) through the same feed, for before/after
-ratios measured in alternating runs.
+`git archive` of an older commit) through the same feed. `--compare DIR
+--pairs N` alternates N runs of DIR and of this checkout in subprocesses and
+writes both, with before/after ratios of the medians, to --out.
 """
 from __future__ import annotations
 
@@ -31,9 +32,15 @@ def main(argv=None) -> dict:
     p.add_argument("--skip", type=int, default=2, help="first windows left out of the stats")
     p.add_argument("--code", default=str(ROOT), help="checkout whose streams/ and fleetscope/ run")
     p.add_argument("--profile", help="write a cProfile of the timed part here")
+    p.add_argument("--compare", help="before/after: alternate runs of this checkout and this one")
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--before-label", default="", help="what --compare's checkout is (e.g. its commit)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "window_fold.json"))
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() once the feed is built (what a worker could do after its start-up)")
     args = p.parse_args(argv)
+    if args.compare:
+        return compare(args)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, args.code)  # imported first, so these modules are the ones cached
     import numpy as np
@@ -94,6 +101,31 @@ def main(argv=None) -> dict:
                             for k in STAGES},
            "cpu_s_mean": {k: round(float(np.mean([s[k] for s in steady])), 4) for k in STAGES}}
     print(json.dumps(out))
+    return out
+
+
+def compare(args) -> dict:
+    import os
+    import subprocess
+
+    import numpy as np
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for _ in range(args.pairs):
+        for label, code in (("before", args.compare), ("after", str(ROOT))):
+            cmd = [sys.executable, __file__, "--code", code, "--ranks", str(args.ranks),
+                   "--windows", str(args.windows), "--skip", str(args.skip)]
+            runs[label].append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
+    med = {label: {k: round(float(np.median([r["cpu_s_median"][k] for r in rs])), 4) for k in STAGES}
+           for label, rs in runs.items()}
+    out = {"what": "CPU s per 1 s window step at 1,000 ranks (750 messages, 1,125 windows): decode+validate, "
+                   "window fold, close, features; median over steps, then over alternating runs",
+           "before_code": args.before_label or args.compare, "pairs": args.pairs, "loadavg": [round(x, 2) for x in os.getloadavg()],
+           "median_cpu_s": med,
+           "before_over_after": {k: round(med["before"][k] / med["after"][k], 2) for k in STAGES
+                                 if med["after"][k] > 0 and k != "of_which_gc"},
+           "runs": runs}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: out[k] for k in ("median_cpu_s", "before_over_after")}))
     return out
 
 
