@@ -28,11 +28,6 @@ def token(kind: str, ids) -> str:
     return f"{kind}:" + hashlib.sha1("\n".join(ids).encode()).hexdigest()
 
 
-def _aligned(arr: np.ndarray) -> np.ndarray:
-    # decoded columns view the message bytes at any offset; Arrow wants aligned buffers
-    return np.require(arr, requirements="A")
-
-
 def _deliver(producer, timeout_s: float = 10.0) -> None:
     if producer is not None and producer.flush(timeout_s):
         raise RuntimeError("Kafka did not acknowledge the derived messages in time")
@@ -69,33 +64,33 @@ class RawSink:
 
     @staticmethod
     def _metric_rows(batches: list[Batch]) -> pa.Table:
-        """Raw rows as one Arrow table; strings expand from their dictionaries in C++."""
+        """Raw rows as one Arrow table: each column concatenated in numpy first (one array, not one chunk per
+        batch: a table of hundreds of small chunks made chDB's insert several times slower)."""
+        counts = np.fromiter((b.count for b in batches), dtype=np.int64, count=len(batches))
+
         def column(name):
             cols = [b.columns[name] for b in batches]
-            if isinstance(cols[0], StrColumn):
-                # one dictionary for all batches (codes shifted by each batch's offset), one take per column
-                values: list[str] = []
-                codes = []
-                for c in cols:
-                    codes.append(np.asarray(c.codes, dtype=np.int64) + len(values))
-                    values.extend(c.values)
-                return pa.array(values, pa.string()).take(pa.array(np.concatenate(codes)))
-            return pa.chunked_array([pa.array(_aligned(c)) for c in cols])
+            if isinstance(cols[0], StrColumn):  # one dictionary of distinct values for all batches, one take
+                index: dict[str, int] = {}
+                codes = [np.fromiter((index.setdefault(v, len(index)) for v in c.values), dtype=np.int32,
+                                     count=len(c.values))[c.codes] for c in cols]
+                return pa.array(list(index), pa.string()).take(pa.array(np.concatenate(codes)))
+            return pa.array(np.concatenate(cols))
 
         def per_batch(attr):
-            return pa.chunked_array([pa.array([getattr(b, attr)], pa.string()).take(np.zeros(b.count, np.int32))
-                                     for b in batches], pa.string())
+            return pa.array([getattr(b, attr) for b in batches], pa.string()).take(
+                pa.array(np.repeat(np.arange(len(batches), dtype=np.int32), counts)))
 
-        def sample_frac():  # sampled (duty-cycled) sources carry it; everything else saw all events
-            return pa.chunked_array([pa.array(_aligned(b.columns["sample_frac"])) if "sample_frac" in b.columns
-                                     else pa.array(np.ones(b.count)) for b in batches], pa.float64())
-
-        ts = pa.chunked_array([pa.array(_aligned(b.columns["ts_ns"]).view("datetime64[ns]")) for b in batches])
+        # sampled (duty-cycled) sources carry sample_frac; everything else saw all events
+        frac = np.concatenate([b.columns["sample_frac"] if "sample_frac" in b.columns else np.ones(b.count)
+                               for b in batches])
+        ts = pa.array(np.concatenate([b.columns["ts_ns"] for b in batches]).view("datetime64[ns]"))
         return pa.table({"source": per_batch("source"), "tenant": column("tenant"), "job": column("job"),
                          "host": per_batch("host"), "rank": column("rank"), "pid": column("pid"),
                          "gpu": column("gpu"), "ts": ts, "metric": column("metric"), "device": column("device"),
                          "value": column("value"), "interval_ns": column("interval_ns"),
-                         "sample_frac": sample_frac(), "batch_id": per_batch("batch_id")})
+                         "sample_frac": pa.array(frac, pa.float64()), "batch_id": per_batch("batch_id")})
+
 
 class FeatureSink:
     def __init__(self, cfg, store, producer=None):
