@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 CLI = [sys.executable, "-m", "fleetscope"]
 
@@ -112,3 +113,15 @@ def tansu_pids() -> set[int]:
             except OSError:
                 continue
     return pids
+
+
+def test_installed_console_script_works_from_any_directory(tmp_path):
+    """`make up` runs the venv's `fleetscope` script: every subcommand must import without the repo as cwd."""
+    script = Path(sys.executable).with_name("fleetscope")
+    assert script.exists(), f"{script} missing: run install.sh"
+    out = subprocess.run([str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("up", "agent", "streams", "query", "kb", "diagnose", "remediate", "bench", "demo"):
+        assert command in out.stdout
+    out = subprocess.run([str(script), "kb", "list"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "straggler_rank" in out.stdout, out.stderr
