@@ -9,30 +9,15 @@
  * slot). Return pairs with it and aggregates into maps that user space reads
  * once per sample: nothing leaves the kernel per call unless DETAIL is set,
  * which adds one ring-buffer record per call (tests, debugging). */
-#include <uapi/linux/ptrace.h>
-#include "events.h"
+/* Prepended by producers/tracers/gpu_calls.py: bpf/gpu_calls.bpf.c (inflight,
+ * stats, hits, lost, calls; count_lost, gpu_call_enter/take/record). */
 
 #define DRIVER_TAG (1ULL << 63)
 
-/* LRU: an entry whose return never comes (the uretprobe was detached while
- * the call ran, or the thread died inside it) ages out instead of filling the map. */
-BPF_TABLE("lru_hash", u64, struct gpu_inflight, inflight, 65536);
-BPF_HASH(stats, struct gpu_call_key, struct gpu_call_stats, 4096);
-BPF_ARRAY(zero_stats, struct gpu_call_stats, 1);  /* an initial value too big for the stack */
 BPF_HASH(launches, struct gpu_sub_key, u64, 16384);    /* (pid, api, host stub or CUfunction) -> calls */
 BPF_HASH(memcpy_kind, struct gpu_sub_key, u64, 1024);  /* (pid, api, cudaMemcpyKind) -> bytes */
 BPF_HASH(allocs, struct gpu_sub_key, u64, 262144);     /* (pid, 0, pointer) -> size, live allocations */
 BPF_HASH(mem, u32, struct cuda_mem_stats, 1024);       /* per pid */
-BPF_ARRAY(hits, u64, N_FAMILIES);                      /* probe-pair hits per family */
-BPF_ARRAY(lost, u64, 1);                               /* map-full and ring-buffer-full failures */
-#ifdef DETAIL
-BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
-#endif
-
-static __always_inline void count_lost(void) {
-    int z = 0;
-    lost.increment(z);
-}
 
 /* bcc rewrites map calls only outside macros, and its increment() cannot
  * report a full map: these add with loss counting. */
@@ -53,12 +38,7 @@ static __always_inline void add_copy(struct gpu_sub_key *k, u64 bytes) {
 }
 
 static __always_inline int enter(u32 api, u32 family, u64 tag, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4, u64 a5) {
-    u64 id = bpf_get_current_pid_tgid() | tag;
-    struct gpu_inflight f = {.ts = bpf_ktime_get_ns(), .api = api, .arg = {a0, a1, a2, a3, a4, a5}};
-    if (inflight.update(&id, &f) != 0)
-        count_lost();
-    hits.increment(family);
-    return 0;
+    return gpu_call_enter(bpf_get_current_pid_tgid() | tag, api, family, a0, a1, a2, a3, a4, a5);
 }
 
 static __always_inline void add_mem(u32 pid, u64 malloc_bytes, u64 free_bytes) {
@@ -79,13 +59,10 @@ static __always_inline void add_mem(u32 pid, u64 malloc_bytes, u64 free_bytes) {
 
 static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
-    u64 id = pid_tgid | tag;
-    struct gpu_inflight *fp = inflight.lookup(&id);
-    if (!fp)
-        return 0;  /* entered before the probes were attached */
-    struct gpu_inflight f = *fp;
-    inflight.delete(&id);
-    u64 dur = bpf_ktime_get_ns() - f.ts;
+    struct gpu_inflight f;
+    u64 dur;
+    if (!gpu_call_take(pid_tgid | tag, &f, &dur))
+        return 0;
     s32 rc = PT_REGS_RC(ctx);
     u32 pid = pid_tgid >> 32;
     u64 bytes = 0;
@@ -131,25 +108,7 @@ static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
         f.arg[1] = bytes;
         break;
     }
-    struct gpu_call_key k = {.pid = pid, .api = f.api};
-    int z = 0;
-    struct gpu_call_stats *init = zero_stats.lookup(&z);
-    if (!init)
-        return 0;
-    struct gpu_call_stats *s = stats.lookup_or_try_init(&k, init);
-    if (s)
-        gpu_stats_add(s, dur, rc, bytes);
-    else
-        count_lost();
-#ifdef DETAIL
-    struct gpu_call_event *e = calls.ringbuf_reserve(sizeof(*e));
-    if (!e) {
-        count_lost();
-        return 0;
-    }
-    gpu_event_fill(e, &f, dur, pid_tgid, rc);
-    calls.ringbuf_submit(e, 0);
-#endif
+    gpu_call_record(pid_tgid, &f, dur, rc, bytes);
     return 0;
 }
 

@@ -4,26 +4,13 @@
  * API_* and FAM_* ids come from producers/tracers/nccl.py as -D flags.
  * Same pairing as bpf/cuda.bpf.c: entry saves the arguments per thread
  * (key = pid_tgid), return adds duration, return code and bytes to maps. */
-#include <uapi/linux/ptrace.h>
-#include "events.h"
+/* Prepended by producers/tracers/gpu_calls.py: bpf/gpu_calls.bpf.c (inflight,
+ * stats, hits, lost, calls; count_lost, gpu_call_enter/take/record). */
 
 #define NONE ((u64)-1)
 
-BPF_TABLE("lru_hash", u64, struct gpu_inflight, inflight, 65536);
-BPF_HASH(stats, struct gpu_call_key, struct gpu_call_stats, 4096);
-BPF_ARRAY(zero_stats, struct gpu_call_stats, 1);
 BPF_HASH(peer_bytes, struct gpu_sub_key, u64, 4096);        /* (pid, Send/Recv, peer) -> bytes */
 BPF_HASH(comms, struct gpu_sub_key, struct nccl_comm_info, 1024);  /* (pid, 0, comm) -> rank, nranks */
-BPF_ARRAY(hits, u64, N_FAMILIES);
-BPF_ARRAY(lost, u64, 1);
-#ifdef DETAIL
-BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
-#endif
-
-static __always_inline void count_lost(void) {
-    int z = 0;
-    lost.increment(z);
-}
 
 /* ncclDataType_t -> bytes per element (NCCL 2.x numbering). */
 static __always_inline u64 dtype_size(u64 dt) {
@@ -38,12 +25,7 @@ static __always_inline u64 dtype_size(u64 dt) {
 
 /* Record layout: [count, datatype, op, peer or root, comm, stream]; NONE where the call has none. */
 static __always_inline int enter(u32 api, u64 count, u64 dt, u64 op, u64 peer, u64 comm, u64 stream) {
-    u64 id = bpf_get_current_pid_tgid();
-    struct gpu_inflight f = {.ts = bpf_ktime_get_ns(), .api = api, .arg = {count, dt, op, peer, comm, stream}};
-    if (inflight.update(&id, &f) != 0)
-        count_lost();
-    hits.increment(FAM_collectives);
-    return 0;
+    return gpu_call_enter(bpf_get_current_pid_tgid(), api, FAM_collectives, count, dt, op, peer, comm, stream);
 }
 
 static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {  /* the nth stack argument (7th integer arg = 0) */
@@ -54,12 +36,10 @@ static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {  /* the nth s
 
 int on_return(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
-    struct gpu_inflight *fp = inflight.lookup(&id);
-    if (!fp)
+    struct gpu_inflight f;
+    u64 dur;
+    if (!gpu_call_take(id, &f, &dur))
         return 0;
-    struct gpu_inflight f = *fp;
-    inflight.delete(&id);
-    u64 dur = bpf_ktime_get_ns() - f.ts;
     s32 rc = PT_REGS_RC(ctx);
     u32 pid = id >> 32;
     u64 bytes = 0;
@@ -83,25 +63,7 @@ int on_return(struct pt_regs *ctx) {
                 count_lost();
         }
     }
-    struct gpu_call_key k = {.pid = pid, .api = f.api};
-    int z = 0;
-    struct gpu_call_stats *init = zero_stats.lookup(&z);
-    if (!init)
-        return 0;
-    struct gpu_call_stats *s = stats.lookup_or_try_init(&k, init);
-    if (s)
-        gpu_stats_add(s, dur, rc, bytes);
-    else
-        count_lost();
-#ifdef DETAIL
-    struct gpu_call_event *e = calls.ringbuf_reserve(sizeof(*e));
-    if (!e) {
-        count_lost();
-        return 0;
-    }
-    gpu_event_fill(e, &f, dur, id, rc);
-    calls.ringbuf_submit(e, 0);
-#endif
+    gpu_call_record(id, &f, dur, rc, bytes);
     return 0;
 }
 

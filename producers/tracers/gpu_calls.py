@@ -96,7 +96,9 @@ class GpuCallTracer:
         if detail:
             flags.append("-DDETAIL")
         try:
-            self.bpf = BPF(text=(BPF_DIR / self.BPF_FILE).read_bytes(), cflags=flags)
+            # the shared pairing code goes in front: bcc rewrites map calls only in the text it is given
+            text = (BPF_DIR / "gpu_calls.bpf.c").read_bytes() + (BPF_DIR / self.BPF_FILE).read_bytes()
+            self.bpf = BPF(text=text, cflags=flags)
         except Exception as e:  # bcc raises bare Exception on compile failure
             raise TracerUnavailable(f"loading bpf/{self.BPF_FILE} failed ({e}); check that kernel headers exist "
                                     f"at /lib/modules/{os.uname().release}/build (install.sh links them)") from e
