@@ -13,6 +13,7 @@ import pytest
 
 from fleetscope.broker import EmbeddedBroker
 from fleetscope.config import Config
+from fleetscope.store import open_store
 from fleetscope.store.endpoint import RemoteStore, endpoint_alive
 from fleetscope.topics import all_topics, ensure_topics
 
@@ -112,3 +113,12 @@ def streams_worker(pipeline_cfg, broker):
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def store(tmp_path):
+    """A migrated embedded chDB store in the test's own directory (tests/test_store.py has its own)."""
+    s = open_store(tmp_path, clickhouse_url=None, prefer_endpoint=False)
+    s.migrate()
+    yield s
+    s.close()

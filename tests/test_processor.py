@@ -5,7 +5,6 @@ import pytest
 
 from fleetscope.config import Config
 from fleetscope.schema import node_identity
-from fleetscope.store import open_store
 from fleetscope.wire import Batch, StrColumn, encode
 from streams.processor import MessageRef, StreamProcessor
 
@@ -31,14 +30,6 @@ def host_batch(ts_ns: int, busy_s: float, idle_s: float, host="node-a") -> Batch
             "device": StrColumn.constant("all", n), "value": np.array(vals, dtype="<f8"),
             "interval_ns": np.array([SEC // 2] * 8 + [0, 0], dtype="<i8")}
     return Batch("host", host, cols)
-
-
-@pytest.fixture()
-def store(tmp_path):
-    s = open_store(tmp_path, clickhouse_url=None, prefer_endpoint=False)
-    s.migrate()
-    yield s
-    s.close()
 
 
 def make_processor(store, clock, tmp_path):

@@ -24,7 +24,6 @@ import yaml
 
 from fleetscope.config import Config
 from fleetscope.schema import SOURCE_COLUMNS, node_identity, validate
-from fleetscope.store import open_store
 from fleetscope.wire import Batch, StrColumn, encode
 from streams.processor import MessageRef, StreamProcessor
 
@@ -94,14 +93,6 @@ def tick_batches(tick: int, rng) -> list[Batch]:
             ("cuda.dur_ns", "cudaStreamSynchronize", sync_frac * TICK * noise[2], TICK)]))
     out += [host_batch(h, ts, rng) for h in ("node-a", "node-b")]
     return out
-
-
-@pytest.fixture()
-def store(tmp_path):
-    s = open_store(tmp_path, clickhouse_url=None, prefer_endpoint=False)
-    s.migrate()
-    yield s
-    s.close()
 
 
 def processor(store, tmp_path, clock) -> StreamProcessor:
