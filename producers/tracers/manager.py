@@ -22,6 +22,7 @@ from producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, proc
 from producers.tracers.kernel import TracerUnavailable
 
 log = logging.getLogger(__name__)
+FAILED = object()  # what _call returns when the call raised
 
 TRACER_CLASSES = {
     "kernel": ("producers.tracers.kernel", "KernelTracer"),
@@ -104,10 +105,12 @@ class TracerManager:
             for pid in sorted(found | self.waiting[name]):
                 if pid in self.attached[name]:
                     continue
-                ok = self._call(tracer.add_pid, pid)  # None: it raised (logged); not retried
-                if ok is False:
+                ok = self._call(tracer.add_pid, pid)
+                if ok is FAILED:  # it raised (logged); not retried
+                    continue
+                if ok is False:  # not mapping the library yet
                     self.waiting[name].add(pid)
-                elif ok:
+                else:  # True, or None from tracers whose add_pid returns nothing
                     self.waiting[name].discard(pid)
                     self.attached[name].add(pid)
                     log.info("tracing pid %d with the %s tracer", pid, name)
@@ -115,12 +118,11 @@ class TracerManager:
     def _call(self, fn, *args):
         with self.lock:
             try:
-                result = fn(*args)
-                return True if result is None else result
+                return fn(*args)
             except Exception:  # one process or tracer failing must not stop the rest
                 self.errors += 1
                 log.exception("%s%s failed", getattr(fn, "__qualname__", fn), args)
-                return None
+                return FAILED
 
     # ---- duty cycling -------------------------------------------------------------
     def _set(self, name: str, family: str, on: bool) -> None:
@@ -193,7 +195,7 @@ class TracerManager:
         batches = []
         for name, tracer in self.tracers.items():
             batch = self._call(tracer.sample, now_ns)
-            if batch not in (None, True, False):
+            if batch is not None and batch is not FAILED:
                 batches.append(batch)
         return batches
 
