@@ -21,7 +21,7 @@ from typing import Callable
 from fleetscope.schema import validate
 from fleetscope.wire import Batch, WireError, decode
 from streams.scoring import Scorer
-from streams.sinks import DeadLetters, FeatureSink, RawSink, token
+from streams.sinks import DeadLetters, FeatureSink, RawSink
 from streams.steps import JobSteps
 from streams.windows import WindowAssembler
 
@@ -97,7 +97,7 @@ class StreamProcessor:
         self.windows = WindowAssembler(cfg.window_s, cfg.allowed_lateness_s, cfg.idle_close_s,
                                        stored_marks=self.features.stored_mark, clock=clock)
         self.steps = JobSteps(cfg.step_hold_s, clock=clock)
-        self.scorer = Scorer(cfg, store, producer, token=token) if scoring else None
+        self.scorer = Scorer(cfg, store, producer) if scoring else None
         self.producer = producer
         self.seen = SeenBatches()
         self.stats = ProcessorStats()

@@ -26,6 +26,7 @@ from fleetscope.schema import NODE_TENANT
 from fleetscope.wire import Batch, StrColumn
 from streams.model import JobModel, ModelConfig
 from streams.model.ensemble import DETECTORS, Rule
+from streams.sinks import token
 
 log = logging.getLogger(__name__)
 NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
@@ -45,8 +46,7 @@ class ScoringStats:
 
 
 class Scorer:
-    def __init__(self, cfg, store, producer=None, model_config: ModelConfig | None = None, diagnoser=None,
-                 token=None):
+    def __init__(self, cfg, store, producer=None, model_config: ModelConfig | None = None, diagnoser=None):
         self.cfg = cfg
         self.store = store
         self.producer = producer
@@ -60,7 +60,6 @@ class Scorer:
             from streams.diagnosis.pipeline import Diagnoser
             diagnoser = Diagnoser()
         self.diagnoser = diagnoser
-        self.token = token or (lambda kind, ids: f"{kind}:{hash(tuple(ids))}")
         self.models: dict[tuple[str, str], JobModel] = {}
         self.saved_at: dict[tuple[str, str], float] = {}
         self.node: OrderedDict[tuple[str, int], dict] = OrderedDict()
@@ -102,7 +101,7 @@ class Scorer:
                 "last_window": np.array([max(self.models[k].last_window_ns, 0) // 10**6 * 10**6 for k in due],
                                         dtype=np.int64),
                 "state": [base64.b64encode(self.models[k].to_bytes()).decode() for k in due]}
-        self.store.insert("model_state", rows, dedupe_token=self.token("model_state", [f"{k}@{wall}" for k in due]))
+        self.store.insert("model_state", rows, dedupe_token=token("model_state", [f"{k}@{wall}" for k in due]))
         for k in due:
             self.saved_at[k] = now
         self.stats.checkpoints += len(due)
@@ -155,7 +154,7 @@ class Scorer:
                 "warm": np.array([s.warm for _, s in scored], dtype=np.uint8),
                 "emitted_at": np.full(n, now, dtype=np.int64)}
         ids = [f"{w.key}@{w.start_ns}" for w, _ in scored]
-        self.store.insert("scores", rows, dedupe_token=self.token("scores", ids))
+        self.store.insert("scores", rows, dedupe_token=token("scores", ids))
         if self.producer is not None:
             by_job: dict[tuple[str, str], list[int]] = {}
             for i, (w, _) in enumerate(scored):
@@ -176,14 +175,14 @@ class Scorer:
                 "peer_z": [a["peer_z"] for a in anomalies], "feature": [a["features"] for a in anomalies],
                 "emitted_at": np.full(len(anomalies), now, dtype=np.int64)}
         ids = [f"{a['tenant']}/{a['job']}/{a['host']}/{a['rank']}@{a['window_start_ns']}" for a in anomalies]
-        self.store.insert("anomalies", rows, dedupe_token=self.token("anomalies", ids))
+        self.store.insert("anomalies", rows, dedupe_token=token("anomalies", ids))
         out = self.diagnoser.handle(anomalies, emitted_at_ns=now)
         self.stats.diagnoses += len(out.diagnoses)
         self.stats.unmatched += out.unmatched
         if out.rejected:
             log.warning("diagnosis rejected %d anomalies: %s", len(out.rejected), out.rejected[:3])
         if out.diagnoses:
-            self.store.insert("diagnoses", out.columns, dedupe_token=self.token("diagnoses", ids))
+            self.store.insert("diagnoses", out.columns, dedupe_token=token("diagnoses", ids))
         if self.producer is not None:
             for a in anomalies:
                 self.producer.produce(self.cfg.topic("anomalies"), key=f"{a['tenant']}/{a['job']}".encode(),
