@@ -149,7 +149,7 @@ def python_features(w: Window) -> dict[str, float]:
 def _torch_class(op: str) -> str:
     name = op.split("::")[-1].lower()
     for cls, fragments in TORCH_CLASSES:
-        if any(name == f or name.startswith(f + "_") or name.endswith("_" + f) or name.startswith(f)
+        if any(name.startswith(f) or name.endswith("_" + f)
                for f in fragments):
             return cls
     return "other"
