@@ -38,7 +38,8 @@ import time
 from fleetscope.wire import Batch
 from producers.tracers.duty import DutyClock
 from producers.tracers.kernel import BPF_DIR, TracerUnavailable
-from producers.tracers.rows import diff, identity, metric_batch
+from producers.tracers.linked import LinkedFamilyTracer
+from producers.tracers.rows import diff, metric_batch
 from producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ def module_name(path: str) -> str:
     return path.replace("/", ".") or "?"
 
 
-class PythonTracer:
+class PythonTracer(LinkedFamilyTracer):
+    FAMILIES = FAMILIES
     source = "python"
 
     def __init__(self, host: str, resolver=None, prefixes: tuple[str, ...] = ()):
@@ -122,13 +124,6 @@ class PythonTracer:
         self._names: dict[tuple, str] = {}           # (path, pid, file, name) -> "module:function"
         self._prev: dict[str, dict] = {"funcs": {}, "gc_count": {}, "gc_ns": {}, "lost": {}}
         self._last_ns = time.time_ns()
-
-    def _identity(self, pid: int):
-        return identity(self.resolver, self.host, pid)
-
-    # ---- the tracer contract ----
-    def families(self) -> dict[str, str]:
-        return dict(FAMILIES)
 
     def add_pid(self, pid: int) -> bool:
         pid = int(pid)
@@ -150,30 +145,6 @@ class PythonTracer:
             return False
         self.unavailable.pop(pid, None)
         return True
-
-    def remove_pid(self, pid: int) -> None:
-        self._detach_pid(int(pid))
-        self.pids.pop(int(pid), None)
-
-    def set_family_enabled(self, family: str, on: bool) -> None:
-        if family not in FAMILIES:
-            raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
-        if self.enabled[family] == on:
-            return
-        self.enabled[family] = on
-        if not on:
-            self._clock.set(family, False)
-            self.links.detach([(pid, family) for pid in self.pids])  # all processes: one grace period
-            if family == "functions":
-                for bpf in self.programs.values():
-                    bpf[b"stacks"].clear()  # frames entered now will return unseen
-            return
-        for pid in list(self.pids):
-            try:
-                self._attach(pid, family)
-            except OSError as e:  # the process exited between polls
-                log.debug("python tracer: pid %d family %s: %s", pid, family, e)
-        self._clock.set(family, True)
 
     def hits(self) -> dict[str, int]:
         out = dict.fromkeys(FAMILIES, 0)
@@ -214,11 +185,10 @@ class PythonTracer:
         for bpf in programs.values():
             bpf.cleanup()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def _family_detached(self, family: str) -> None:
+        if family == "functions":
+            for bpf in self.programs.values():
+                bpf[b"stacks"].clear()  # frames entered now will return unseen
 
     # ---- tests and diagnostics ----
     def function_counts(self, pid: int) -> dict[str, tuple[int, int]]:
@@ -266,8 +236,6 @@ class PythonTracer:
             self._progs[(path, fn)] = load_multi_program(self.programs[path], fn, "Python")
         return self._progs[(path, fn)]
 
-    def _detach_pid(self, pid: int) -> None:
-        self.links.detach([(pid, fam) for fam in FAMILIES])
 
     def _forget(self, pid: int) -> None:
         """Detach a pid and drop its keys from the maps and the diff state."""

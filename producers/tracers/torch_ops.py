@@ -41,7 +41,8 @@ from fleetscope.wire import Batch
 from producers.tracers.discovery import find_library
 from producers.tracers.duty import DutyClock
 from producers.tracers.kernel import BPF_DIR, TracerUnavailable
-from producers.tracers.rows import diff, identity, metric_batch
+from producers.tracers.linked import LinkedFamilyTracer
+from producers.tracers.rows import diff, metric_batch
 from producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ def op_symbols(path: str) -> list[tuple[int, str]]:
     return _symbol_cache[key]
 
 
-class TorchTracer:
+class TorchTracer(LinkedFamilyTracer):
+    FAMILIES = FAMILIES
     source = "torch"
 
     def __init__(self, host: str, resolver=None, ops: frozenset[str] | None = None):
@@ -121,12 +123,6 @@ class TorchTracer:
         self._prev: dict[str, dict] = {"calls": {}, "ns": {}, "lost": {}}
         self._last_ns = time.time_ns()
 
-    def _identity(self, pid: int):
-        return identity(self.resolver, self.host, pid)
-
-    def families(self) -> dict[str, str]:
-        return dict(FAMILIES)
-
     def add_pid(self, pid: int) -> bool:
         pid = int(pid)
         if pid in self.pids:
@@ -141,9 +137,9 @@ class TorchTracer:
                 self.pids[pid] = (lib, [file_offset(lib, a) for a, _ in syms],
                                   [self.op_names.index(op) for _, op in syms])
                 if self.enabled["ops"]:
-                    self._attach(pid)
+                    self._attach(pid, "ops")
             except (TracerUnavailable, OSError, ValueError) as e:
-                self._detach(pid)
+                self._detach_pid(pid)
                 self.pids.pop(pid, None)
                 why = str(e)
         if why:
@@ -152,28 +148,6 @@ class TorchTracer:
             return False
         self.unavailable.pop(pid, None)
         return True
-
-    def remove_pid(self, pid: int) -> None:
-        self._detach(int(pid))
-        self.pids.pop(int(pid), None)
-
-    def set_family_enabled(self, family: str, on: bool) -> None:
-        if family not in FAMILIES:
-            raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
-        if self.enabled[family] == on:
-            return
-        self.enabled[family] = on
-        if not on:
-            self._clock.set(family, False)
-            self.links.detach([(pid, "ops") for pid in self.pids])  # all processes: one grace period
-            self.bpf[b"stacks"].clear()  # ops entered now will return unseen
-            return
-        for pid in list(self.pids):
-            try:
-                self._attach(pid)
-            except OSError as e:  # the process exited between polls
-                log.debug("torch tracer: pid %d: %s", pid, e)
-        self._clock.set(family, True)
 
     def hits(self) -> dict[str, int]:
         h = self.bpf[b"hits"]
@@ -210,20 +184,14 @@ class TorchTracer:
         if bpf is not None:
             bpf.cleanup()
 
-    def __enter__(self):
-        return self
+    def _family_detached(self, family: str) -> None:
+        self.bpf[b"stacks"].clear()  # ops entered now will return unseen
 
-    def __exit__(self, *exc):
-        self.close()
-
-    def _attach(self, pid: int) -> None:
+    def _attach(self, pid: int, family: str) -> None:
         lib, offsets, cookies = self.pids[pid]
         self.links.attach((pid, "ops"), [Link(self._prog["op_entry"], lib, tuple(offsets), tuple(cookies)),
                                          Link(self._prog["op_return"], lib, tuple(offsets), tuple(cookies),
                                               retprobe=True)], pid)
-
-    def _detach(self, pid: int) -> None:
-        self.links.detach([(pid, "ops")])
 
     def _forget(self, pid: int) -> None:
         self.remove_pid(pid)
