@@ -5,6 +5,7 @@ CPython 3.11 never fires its function__entry probe (CPython gh-98894), so
 on this interpreter calls are counted on return and entries stay 0.
 """
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,8 +72,12 @@ def test_attached_mid_run_and_process_exit(tracer, spawn, tmp_path):
     time.sleep(0.5)  # calls are already under way
     assert tracer.add_pid(p.pid)
     time.sleep(0.5)
+    # Freeze the process: the counters are read key by key, so a running loop would
+    # move between the reads of `leaf` and `middle`.
+    os.kill(p.pid, signal.SIGSTOP)
     got = values(rows(tracer.sample()), "python.calls", p.pid)
-    # leaf runs twice per middle; an interval cut mid-middle is off by at most 2
+    # leaf runs twice per middle, counted on return: the middle cut at attach is counted
+    # with 0-2 of its leaves, the middle cut at SIGSTOP leaves 0-2 leaves without it.
     assert got["py_calls:leaf"] > 100 and abs(got["py_calls:leaf"] - 2 * got["py_calls:middle"]) <= 2
     p.kill()
     p.wait()

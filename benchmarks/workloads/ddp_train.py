@@ -121,6 +121,16 @@ def apply_knobs(knobs: dict) -> None:
         time.sleep(float(knobs["dataloader_stall"].get("ms_per_batch", 80)) / 1000.0)
 
 
+def all_ranks_past(deadline: float) -> bool:
+    """True once any rank's clock has passed the deadline, agreed by all ranks.
+
+    Each rank reading its own clock would let one rank leave the loop a step early and
+    wait in the final barrier while the others wait in that step's all-reduce: a hang."""
+    flag = torch.tensor([1.0 if time.monotonic() >= deadline else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -144,7 +154,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     deadline = t0 + args.duration_s
     steps = 0
-    while (steps < args.steps) if args.steps > 0 else (time.monotonic() < deadline):
+    while (steps < args.steps) if args.steps > 0 else not all_ranks_past(deadline):
         knobs = control.poll()
         apply_knobs(knobs)  # the input pipeline and the interpreter, before the batch is used
         x, y = next(loader)
