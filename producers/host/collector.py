@@ -68,8 +68,9 @@ class Collector(ABC):
     name: ClassVar[str]
     default_enabled: ClassVar[bool] = True
     # How often HostSampler runs it: 0 = every tick. Files whose numbers move
-    # slowly or matter at window scale (memory, disks, NUMA, vm events) run
-    # once a second; their counters' deltas then cover that whole second.
+    # slowly or matter at window scale (memory, disks, NUMA, vm events,
+    # interrupts) run once a second; their counters' deltas then cover that
+    # whole second.
     cadence_ns: ClassVar[int] = 0
 
     def __init__(self, proc_root: str | os.PathLike = "/proc", sys_root: str | os.PathLike = "/sys"):

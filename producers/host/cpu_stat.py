@@ -12,6 +12,7 @@ _CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "st
 _CPU_METRICS = tuple(f"cpu.{field}" for field in _CPU_FIELDS)
 _NFIELDS = len(_CPU_FIELDS)
 _GAUGES = {"procs_running": "cpu.procs_running", "procs_blocked": "cpu.procs_blocked"}
+_WANTED_PREFIXES = ("cpu", "ctxt", "procs_")
 
 
 @register
@@ -34,6 +35,10 @@ class CpuStatCollector(Collector):
         ctxt: dict[tuple[str, str], float] = {}
         gauges: list[Sample] = []
         for line in text.splitlines():
+            # Only the lines we use are split: "intr" alone holds a count per
+            # IRQ number (hundreds to thousands of tokens) and "softirq" ten.
+            if not line.startswith(_WANTED_PREFIXES):
+                continue
             parts = line.split()
             if len(parts) < 2:
                 continue

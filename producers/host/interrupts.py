@@ -9,6 +9,13 @@ MIS) carry a single machine-wide number and no description.
 A big GPU node has ~200 CPUs and ~1500 rows, i.e. 300k cells a tick, so the
 cells live in a numpy matrix and deltas are array arithmetic; only the few
 cells that moved become Python objects.
+
+It runs once a second (SLOW_CADENCE_NS), not every tick: the kernel alone
+spends more generating this file than any other we read (a per-CPU count for
+every IRQ line), and parsing it was a third of the host sampler's CPU at a
+100 ms tick. Its use is window-scale (interrupt rates per CPU and machine
+wide), and a delta over one second loses no interrupt, only resolution below
+the stream's windows.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from producers.host.collector import Collector, Sample, make_sample, register
+from producers.host.collector import SLOW_CADENCE_NS, Collector, Sample, make_sample, register
 
 _MISSING = -1  # a cell the row did not have (short rows); never yields a delta
 _PY_CELLS = 4096  # changed cells up to which deltas are taken in Python rather than numpy
@@ -107,6 +114,7 @@ def _rows(text: str) -> _Rows:
 @register
 class InterruptsCollector(Collector):
     name = "interrupts"
+    cadence_ns = SLOW_CADENCE_NS
 
     def __init__(self, proc_root="/proc", sys_root="/sys"):
         super().__init__(proc_root, sys_root)

@@ -6,9 +6,10 @@ import time
 
 import numpy as np
 
-from fleetscope.schema import SOURCE_COLUMNS, node_identity
-from fleetscope.wire import Batch, StrColumn
+from fleetscope.schema import SOURCE_COLUMNS
+from fleetscope.wire import Batch
 from producers.host.collector import Collector, Sample, load_builtin_collectors
+from producers.host.columns import NodeIdentityColumns, RepeatingStrColumn
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,10 @@ class HostSampler:
         # use_cadence=False runs every collector every tick (Collector.cadence_ns ignored).
         self._cadence = [int(c.cadence_ns * _DUE_SLACK) if use_cadence else 0 for c in self.collectors]
         self._last_run: list[int | None] = [None] * len(self.collectors)
+        # Built once per layout of rows (see columns.py).
+        self._identity = NodeIdentityColumns(host)
+        self._metric_column = RepeatingStrColumn()
+        self._device_column = RepeatingStrColumn()
 
     def sample(self, now_ns: int | None = None) -> Batch | None:
         """One batch of every collector's samples at now_ns, or None if there are none."""
@@ -50,20 +55,13 @@ class HostSampler:
         n = len(samples)
         # Samples are tuples: one zip(*) splits them into the four columns.
         metrics, devices, values, intervals = zip(*samples)
-        columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"), **node_identity(self.host, n),
-                   "metric": _str_column(metrics), "device": _str_column(devices),
-                   "value": np.array(values, dtype="<f8"), "interval_ns": np.array(intervals, dtype="<i8")}
+        columns = self._identity(n)
+        columns.update(ts_ns=np.full(n, now_ns, dtype="<i8"), metric=self._metric_column(metrics),
+                       device=self._device_column(devices), value=np.array(values, dtype="<f8"),
+                       interval_ns=np.array(intervals, dtype="<i8"))
         spec = SOURCE_COLUMNS["host"]
         # Emit columns in the schema's order, and fail loudly here (not in a
         # consumer) if the schema grows a column this sampler does not fill.
         return Batch(source="host", host=self.host, created_ns=now_ns,
                      columns={name: columns[name] for name in spec})
 
-
-def _str_column(items: tuple[str, ...]) -> StrColumn:
-    # Dictionary in first-seen order (np.unique over Python objects would sort
-    # strings), then one C-level dict lookup per row.
-    values = tuple(dict.fromkeys(items))
-    index = {s: i for i, s in enumerate(values)}
-    codes = np.fromiter(map(index.__getitem__, items), dtype=np.uint32, count=len(items))
-    return StrColumn(codes, values)
