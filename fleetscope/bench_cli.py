@@ -48,6 +48,10 @@ def summary_of(results: dict[str, dict]) -> dict:
     scores = {n: Score(**{k: v for k, v in r["score"].items()}) for n, r in ran.items()}
     healthy = {n for n, r in ran.items() if r["fault"]["kind"] == "none"}
     out = summarize(scores, healthy)
+    strict = {n: Score(**r["score_strict"]) for n, r in ran.items() if "score_strict" in r}
+    if len(strict) == len(scores):  # the same runs with every peer and after-fault window negative
+        out["strict"] = {k: v for k, v in summarize(strict, healthy).items()
+                         if k in ("precision", "recall", "f1", "healthy_flagged_frac")}
     out["by_rule"] = rules_summary(ran)
     out["skipped"] = sorted(n for n, r in results.items() if "skipped" in r)
     out["errors"] = sorted(n for n, r in results.items() if "error" in r)

@@ -140,6 +140,18 @@ def test_shipped_scenarios_load_and_their_faults_can_be_built(tmp_path):
     t = scenarios["straggler_cpu_quota"].truth()
     assert (t.fault_start_s, t.fault_end_s, t.faulty_ranks, t.kb_entry, t.n_windows) == (30, 60, {1}, "straggler_rank", 45)
     assert scenarios["healthy"].truth().healthy
+    assert t.ignore_peers and not t.effect_persists  # the defaults
+    assert scenarios["gpu_memory_leak"].truth().effect_persists
+
+
+def test_truth_can_ignore_peers_and_what_outlasts_the_fault():
+    from dataclasses import replace
+    t = replace(FAULT, ignore_peers=True, effect_persists=True)
+    assert [label(t, 0, k) for k in (2, 3, 6, 7)] == ["negative", "ignored", "ignored", "negative"]
+    assert [label(t, 1, k) for k in (2, 3, 6, 7, 9)] == ["negative", "positive", "positive", "ignored", "ignored"]
+    # the run of test_late_partial_detection: rank 0's flag in window 5 and no more after-fault negatives
+    s = score_run(t, flags(t, {(1, 5), (1, 6), (0, 5), (1, 1), (1, 8)}))
+    assert (s.tp, s.fp, s.fn, s.tn, s.ignored) == (2, 1, 2, 8, 7)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -150,6 +162,8 @@ def test_shipped_scenarios_load_and_their_faults_can_be_built(tmp_path):
     (("fault", "strength", "high"), "fault.strength: must be in (0, 1], got 'high'"),
     ((None, "window", 2), "window: unknown field"),
     ((None, "ranks", None), "ranks: must be"),
+    (("expect", "peers", "maybe"), "expect.peers: 'maybe' is not ignored (the default"),
+    (("expect", "persists", "yes"), "expect.persists: must be true or false"),
 ])
 def test_scenario_errors_name_the_file_and_field(tmp_path, edit, message):
     import yaml

@@ -286,14 +286,15 @@ def evaluate(s: Scenario, truth: Truth, t0: float, data: dict) -> dict:
              for r, ws, kb, c in data["diagnoses"] if kb != "unmatched"]
     grace = dict(onset_grace_s=ONSET_GRACE_WINDOWS * w, recovery_grace_s=RECOVERY_GRACE_WINDOWS * w)
     score = score_run(truth, results, diags, **grace)
-    peers_ignored = score_run(truth, results, diags, ignore_peers_during_fault=True, **grace)
+    # every peer window and every window after the fault scored as negative, whatever the scenario says
+    strict = score_run(replace(truth, ignore_peers=False, effect_persists=False), results, diags, **grace)
     detectors: dict[str, int] = {}
     for *_, a, dets in data["scores"]:
         if a:
             for d in dets:
                 detectors[d] = detectors.get(d, 0) + 1
     flagged = sorted({(r, window_of(ws, t0, w)) for r, ws, _, _, a, _ in data["scores"] if a})
-    return {"score": score.as_dict(), "score_peers_ignored": peers_ignored.as_dict(),
+    return {"score": score.as_dict(), "score_strict": strict.as_dict(),
             "rules": compare_rules(truth, data["scores"], t0, grace),
             "fingerprint_metrics": run_fingerprint_metrics(truth, t0, data, **grace),
             "flagged_windows": [{"rank": r, "window": k, "t_s": round(k * w, 3)} for r, k in flagged],

@@ -50,6 +50,8 @@ class Scenario:
     expect_kb_entry: str | None
     expect_ranks: tuple[int, ...]
     requires: tuple[str, ...] = ()
+    expect_peers: str = "ignored"      # "ignored" or "negative": how peers' windows during the fault count
+    expect_persists: bool = False      # the fault's effect outlasts it on the faulty ranks (leaked memory)
     workload_args: dict = field(default_factory=dict)
 
     @property
@@ -62,7 +64,8 @@ class Scenario:
             return Truth(ranks=tuple(range(self.ranks)), duration_s=self.duration_s, window_s=self.window_s)
         return Truth(ranks=tuple(range(self.ranks)), duration_s=self.duration_s, window_s=self.window_s,
                      fault_start_s=self.fault.start_s, fault_end_s=self.fault.start_s + self.fault.duration_s,
-                     faulty_ranks=frozenset(self.expect_ranks), kb_entry=self.expect_kb_entry)
+                     faulty_ranks=frozenset(self.expect_ranks), kb_entry=self.expect_kb_entry,
+                     ignore_peers=self.expect_peers == "ignored", effect_persists=self.expect_persists)
 
 
 class _Fields:
@@ -87,7 +90,8 @@ class _Fields:
                 self.fail(name, "missing")
             return default
         v = self.data[name]
-        if isinstance(v, bool) or not isinstance(v, types):  # no field here is a bool; YAML yes/no is a slip
+        wants_bool = types is bool
+        if isinstance(v, bool) != wants_bool or not isinstance(v, types):  # a bool only where asked: YAML yes/no is a slip
             self.fail(name, f"must be {what or getattr(types, '__name__', types)}, got {v!r}")
         if check is not None and not check(v):
             self.fail(name, f"{v!r} is not {what}")
@@ -130,7 +134,7 @@ def load_scenario(path: str | Path) -> Scenario:
         strength = f.get("strength", NUM, 1.0, check=lambda v: 0 < v <= 1, what="in (0, 1]")
         fault = FaultSpec(kind, rank, float(start), float(fdur), float(strength), f.get("params", dict, {}))
 
-    e = _Fields(path, "expect.", top.get("expect", dict, what="a mapping"), {"kb_entry", "ranks"})
+    e = _Fields(path, "expect.", top.get("expect", dict, what="a mapping"), {"kb_entry", "ranks", "peers", "persists"})
     kb = e.get("kb_entry", (str, type(None)), check=lambda v: v is None or v in KB_ENTRIES,
                what="null or a KB entry (" + ", ".join(KB_ENTRIES) + ")")
     exp_ranks = e.get("ranks", list, check=lambda v: all(isinstance(r, int) and 0 <= r < ranks for r in v),
@@ -139,9 +143,14 @@ def load_scenario(path: str | Path) -> Scenario:
         e.fail("kb_entry", "a healthy scenario (fault.kind none) expects kb_entry: null and ranks: []")
     if kind != "none" and (kb is None or not exp_ranks):
         e.fail("kb_entry" if kb is None else "ranks", "a fault scenario must name the KB entry and faulty ranks")
+    peers = e.get("peers", str, "ignored", check=lambda v: v in ("ignored", "negative"),
+                  what="ignored (the default: in a synchronous job a fault on one rank slows its peers, "
+                       "so their windows during the fault are not scored) or negative")
+    persists = e.get("persists", bool, False, what="true or false")
     return Scenario(path=path, name=name, description=top.get("description", str, ""), workload=workload,
                     ranks=ranks, duration_s=float(duration), window_s=float(window), fault=fault,
                     expect_kb_entry=kb, expect_ranks=tuple(exp_ranks), requires=tuple(requires),
+                    expect_peers=peers, expect_persists=persists,
                     workload_args=top.get("workload_args", dict, {}))
 
 

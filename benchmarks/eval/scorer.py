@@ -8,8 +8,12 @@ Labels, per (rank, window):
 - **positive**: the rank is faulty and the window overlaps [start + onset_grace_s, end);
 - **ignored**: on a faulty rank, a window that overlaps only the onset grace
   [start, start + onset_grace_s) or the recovery grace [end, end + recovery_grace_s);
-  on other ranks during the fault, when `ignore_peers_during_fault` is set
-  (a straggler makes its peers wait, and some detectors flag them too);
+  on other ranks during the fault (and its recovery grace), when the truth says
+  `ignore_peers` or the caller passes `ignore_peers_during_fault` (in a synchronous job
+  a fault on one rank makes its peers wait in every collective, so whether flagging
+  a waiting peer is right cannot be told from the truth);
+  on a faulty rank, every window after the fault when the truth says `effect_persists`
+  (leaked memory stays held after the leak stops);
 - **negative**: everything else, including every window of a healthy run.
 
 Metrics: precision, recall, F1 and the false-positive rate (FP / negatives) over the
@@ -37,6 +41,8 @@ class Truth:
     fault_end_s: float | None = None
     faulty_ranks: frozenset[int] = frozenset()
     kb_entry: str | None = None
+    ignore_peers: bool = False      # peers' windows during the fault are ignored, not negative
+    effect_persists: bool = False   # on faulty ranks, windows after the fault are ignored, not negative
 
     def __post_init__(self):
         if self.window_s <= 0 or self.duration_s <= 0:
@@ -130,8 +136,10 @@ def label(truth: Truth, rank: int, k: int, *, onset_grace_s: float = 0.0, recove
             return "positive"
         if overlaps(start, start + onset_grace_s) or overlaps(end, end + recovery_grace_s):
             return "ignored"
+        if truth.effect_persists and w0 >= end:
+            return "ignored"
         return "negative"
-    if ignore_peers_during_fault and overlaps(start, end + recovery_grace_s):
+    if (ignore_peers_during_fault or truth.ignore_peers) and overlaps(start, end + recovery_grace_s):
         return "ignored"
     return "negative"
 
