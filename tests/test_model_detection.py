@@ -147,3 +147,36 @@ def test_peer_floor_keeps_identical_ranks_quiet():
         if w < 19:
             assert max(abs(z) for s in scores for z in s.peer_z.values()) < 1.0
     assert scores[4].peer_z["step_rate"] <= -6 and "peer" in scores[4].detectors
+
+
+def test_peer_z_of_a_histogram_quantile_needs_more_than_one_bucket():
+    """Tail latencies come from quarter-octave buckets: 3 ranks that mostly share a bucket, one a bucket up now
+    and then, must stay quiet; a rank at 3x the others must not."""
+    from streams.model.peers import HISTOGRAM_STEP, PeerComparison
+    peers = PeerComparison(min_ranks=3, rel_floor=0.02)
+    names = ["nccl_lat_p99_ns", "step_rate"]
+    peers.grow(2, names)
+    rng = np.random.default_rng(1)
+    for w in range(200):
+        lat = np.full(3, 4.6e7)
+        lat[rng.integers(3)] *= (1 + HISTOGRAM_STEP) ** rng.integers(0, 2)  # one bucket up, half the time
+        X = np.column_stack([lat, 100.0 + rng.standard_normal(3)])
+        z = peers.zscores(X, np.ones_like(X, bool), learn_below=6.0)
+        assert np.abs(z[:, 0]).max() < 6.0, w
+    X = np.array([[4.6e7, 100.0], [1.4e8, 100.0], [4.6e7, 100.0]])
+    assert peers.zscores(X, np.ones_like(X, bool), learn=False)[1, 0] >= 6.0
+
+
+def test_peer_spread_is_not_learned_from_the_odd_rank():
+    """A straggler that lasts 60 windows keeps firing: the typical spread learns from the ranks that agree."""
+    from streams.model.peers import PeerComparison
+    peers = PeerComparison(min_ranks=3, rel_floor=0.0)
+    peers.grow(1, ["step_rate"])
+    rng = np.random.default_rng(2)
+    for w in range(160):
+        x = 100.0 + rng.standard_normal(3)
+        if w >= 100:
+            x[1] -= 40.0
+        z = peers.zscores(x[:, None], np.ones((3, 1), bool), learn_below=6.0)
+        if w >= 100:
+            assert z[1, 0] <= -6.0, w

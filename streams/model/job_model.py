@@ -65,7 +65,7 @@ class JobModel:
     def _grow(self, d: int) -> None:
         self.scaler.grow(d)
         self.gmm.grow(d)
-        self.peers.grow(d)
+        self.peers.grow(d, self.index.names)
         if self.mahal:
             self.mahal.grow(d)
         if self.hst:
@@ -113,7 +113,7 @@ class JobModel:
         Z = self.scaler.transform(X, usable)
         sc = self.gmm.score(Z, usable)
         contrib = self.gmm.contributions(Z, usable, sc)
-        pz = self.peers.zscores(X, M, learn=not replay)
+        pz = self.peers.zscores(X, M, learn=not replay, learn_below=c.peer_z_threshold)
         scorable = sc.n_obs > 0
         self.stats["unscorable_rows"] += int((~scorable).sum())
         scores = {"gmm": sc.nll}
