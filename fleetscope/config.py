@@ -51,6 +51,8 @@ class Config:
     spool_max_batches: int = 10_000
     nvml: bool = True  # sample GPUs; without an NVML library this reports one status event
     nvml_library: str | None = None  # a specific libnvidia-ml path; None: the system's
+    # Per-process /proc sampling (CPU, faults, context switches, I/O, RSS) of every rank process; no root needed.
+    proc_sampling: bool = True
     # Identity rules: which environment variable names a process's tenant, the
     # tenant when none does, and the variables that name its job, in precedence order.
     tenant_env: str = "FLEETSCOPE_TENANT"
@@ -115,6 +117,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_SAMPLE_INTERVAL_S": "sample_interval_s", "FLEETSCOPE_COLLECTORS": "collectors",
     "FLEETSCOPE_CONSUMER_GROUP": "consumer_group", "FLEETSCOPE_NVML": "nvml",
     "FLEETSCOPE_NVML_LIBRARY": "nvml_library", "FLEETSCOPE_TENANT_ENV": "tenant_env",
+    "FLEETSCOPE_PROC_SAMPLING": "proc_sampling",
     "FLEETSCOPE_DEFAULT_TENANT": "default_tenant", "FLEETSCOPE_JOB_ENV": "job_env",
     "FLEETSCOPE_STEP_HOLD_S": "step_hold_s", "FLEETSCOPE_WARMUP_WINDOWS": "warmup_windows",
     "FLEETSCOPE_DETECT_RULE": "detect_rule", "FLEETSCOPE_MODEL_CHECKPOINT_S": "model_checkpoint_s",

@@ -28,6 +28,8 @@ SOURCE_COLUMNS: dict[str, dict] = {
     # per-process metrics carry the process's resolved identity.
     "nvml": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
     "kernel": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
+    # Per-process /proc counters (producers/process_sampler.py): the process's identity, device pid<N>.
+    "proc": {**IDENTITY_COLUMNS, **METRIC_COLUMNS},
 }
 # Traced sources: uprobe/USDT tracers duty-cycle their probes under an
 # overhead budget, so every row says what fraction of its interval the probe

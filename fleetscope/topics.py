@@ -4,11 +4,12 @@ from __future__ import annotations
 import logging
 
 from fleetscope.config import Config
-from fleetscope.schema import TRACED_SOURCES
+from fleetscope.schema import SOURCE_COLUMNS
 
 log = logging.getLogger(__name__)
 
-RAW_SOURCES = ("host", "agent", "nvml", "kernel", *TRACED_SOURCES)
+# Every source the schema knows has its raw topic: a new source cannot be published without one.
+RAW_SOURCES = tuple(SOURCE_COLUMNS)
 DERIVED = ("features", "scores", "anomalies", "diagnoses", "dlq")
 
 

@@ -80,9 +80,12 @@ def _status_line(elapsed: float, agent, stats: dict | None, rate: float, lag) ->
     if "model_scored" in stats:
         line += (f" | model: {stats['model_scored']:,} scored, {stats['model_anomalies']:,} anomalies, "
                  f"{stats['model_diagnoses']:,} diagnosed ({stats['model_unmatched']:,} unmatched)")
-    for source in agent.stat_sources:  # the tracer manager, once its BPF programs are loaded
+    for source in agent.stat_sources:  # the /proc sampler; the tracer manager, once its BPF programs are loaded
         t = source.stats()
-        line += f" | tracing {t['trace_targets']} processes, {t['trace_tracers_running']} tracers"
+        if "proc_pids" in t:
+            line += f" | sampling {t['proc_pids']} rank processes"
+        if "trace_targets" in t:
+            line += f" | tracing {t['trace_targets']} processes, {t['trace_tracers_running']} tracers"
     return line
 
 

@@ -116,6 +116,12 @@ def build_agent(cfg: Config, bootstrap: str) -> Agent:
         watcher = XidWatcher(cfg.host, publisher.publish, library_path=cfg.nvml_library)
         watcher.start()
         agent.closers.append(watcher.stop)
+    if cfg.proc_sampling:  # reads /proc only: runs without root
+        from producers.identity import IdentityResolver
+        from producers.process_sampler import ProcessSampler
+        proc = ProcessSampler.from_config(cfg, IdentityResolver(identity_rules(cfg), host=cfg.host))
+        agent.samplers.append(proc)
+        agent.stat_sources.append(proc)
     if cfg.trace:
         start_tracing(cfg, agent)
     return agent
