@@ -8,12 +8,13 @@ from __future__ import annotations
 from streams.gpu_features import gpu_features
 from streams.host_features import host_features
 from streams.kernel_features import kernel_features
+from streams.proc_features import proc_features
 from streams.trace_features import cuda_features, nccl_features, python_features, torch_features
 from streams.windows import Window
 
-FEATURE_VERSION = 2  # 2: CUDA, NCCL, Python and PyTorch features
-BUILDERS = (host_features, gpu_features, kernel_features, cuda_features, nccl_features, python_features,
-            torch_features)
+FEATURE_VERSION = 3  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*)
+BUILDERS = (host_features, gpu_features, kernel_features, proc_features, cuda_features, nccl_features,
+            python_features, torch_features)
 
 
 def window_features(window: Window) -> dict[str, float]:

@@ -20,6 +20,8 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     # storage: waiting on disks, and disk traffic
     ("cpu_iowait_frac", "storage"),
     ("disk_*", "storage"),
+    ("proc_read_bytes_per_s", "storage"),
+    ("proc_write_bytes_per_s", "storage"),
     # network: NIC traffic, TCP, and where the (mostly NIC) interrupts land
     ("net_*", "network"),
     ("tcp_*", "network"),
@@ -30,6 +32,10 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("ctx_switches_per_s", "cpu"),
     ("offcpu_threads", "cpu"),
     ("runq_wait_threads", "cpu"),
+    ("proc_cpu_cores", "cpu"),
+    ("proc_vol_ctx_per_s", "cpu"),
+    ("proc_invol_ctx_per_s", "cpu"),
+    ("proc_threads", "cpu"),
     # host memory: NUMA placement, huge pages, faults
     ("mem_used_frac", "host_memory"),
     ("thp_coverage_frac", "host_memory"),
@@ -37,6 +43,9 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("numa_*", "host_memory"),
     ("page_faults_per_s", "host_memory"),
     ("major_faults_per_s", "host_memory"),
+    ("proc_minflt_per_s", "host_memory"),
+    ("proc_majflt_per_s", "host_memory"),
+    ("proc_rss_bytes", "host_memory"),
     # GPU memory: device allocations
     ("gpu_proc_mem_bytes", "gpu_memory"),
     ("cuda_mem_live_bytes", "gpu_memory"),

@@ -1,0 +1,264 @@
+"""The /proc process sampler against real processes, and its features through the real windowing code.
+
+Children are real Python processes (a CPU burner, a page toucher, sleepers
+with and without a launcher's RANK); nothing is stubbed. The machine is shared,
+so CPU and fault assertions use generous lower bounds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from fleetscope.config import load
+from fleetscope.schema import validate
+from fleetscope.topics import RAW_SOURCES, all_topics
+from producers.identity import IdentityResolver, IdentityRules
+from producers.process_sampler import ProcessSampler, parse_stat, read_file
+from producers.tracers.discovery import TargetSpec
+from streams.diagnosis.subsystems import subsystem_of
+from streams.features import window_features
+from streams.windows import WindowAssembler
+from test_identity import spawn, wait_until  # noqa: F401 (spawn is a fixture)
+
+BURN = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+# Maps fresh anonymous memory and writes one byte per page, over and over: minor faults grow.
+TOUCH = ("import mmap, time\nend = time.time() + 30\n"
+         "while time.time() < end:\n"
+         "    m = mmap.mmap(-1, 8 << 20)\n"
+         "    for i in range(0, 8 << 20, 4096): m[i] = 1\n"
+         "    m.close()\n")
+SLEEP = "import time; time.sleep(30)"
+# prctl(PR_SET_NAME): a comm with spaces and ')' (15 bytes at most).
+RENAME = ("import ctypes, time\n"
+          "ctypes.CDLL(None).prctl(15, ctypes.c_char_p(b'we) ird (na)me'), 0, 0, 0)\n"
+          "time.sleep(30)")
+WEIRD_COMM = "we) ird (na)me"
+
+
+@pytest.fixture
+def job():
+    return f"proctest-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def children(spawn, job):  # noqa: F811 (the fixture imported above)
+    """Real Python children (ranked when given a rank), through test_identity's spawn: it waits for the
+    exec (before it, /proc shows a forked pytest with pytest's environment) and kills and reaps them."""
+
+    def start(code: str, rank: int | None = None, ready=None) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "FLEETSCOPE_JOB")}
+        if rank is not None:
+            env.update(RANK=str(rank), WORLD_SIZE="2", FLEETSCOPE_JOB=job)
+        proc = spawn(env, [sys.executable, "-c", code])
+        if ready is not None:
+            wait_until(lambda: ready(proc.pid))
+        return proc
+
+    return start
+
+
+def _comm(pid: int) -> str:
+    try:
+        return read_file(f"/proc/{pid}/comm").decode().strip()
+    except OSError:
+        return ""
+
+
+def sampler(targets=None) -> ProcessSampler:
+    return ProcessSampler("node-a", IdentityResolver(IdentityRules(), host="node-a"), targets=targets, poll_s=0.0)
+
+
+def rows(batch) -> list[dict]:
+    """The batch's rows as dicts, strings decoded."""
+    c = batch.columns
+    out = []
+    for i in range(batch.count):
+        row = {}
+        for name, col in c.items():
+            row[name] = col.values[col.codes[i]] if hasattr(col, "codes") else col[i].item()
+        out.append(row)
+    return out
+
+
+def of_pid(batch, pid: int) -> dict[str, dict]:
+    return {r["metric"]: r for r in rows(batch) if r["pid"] == pid} if batch is not None else {}
+
+
+def test_counters_of_a_cpu_burner_and_a_page_toucher(children):
+    burner, toucher = children(BURN, rank=0), children(TOUCH, rank=1)
+    s = sampler()
+    first = s.sample(time.time_ns())
+    validate(first)
+    for pid in (burner.pid, toucher.pid):  # first read: gauges only
+        assert set(of_pid(first, pid)) == {"proc.rss_bytes", "proc.threads"}
+    t0 = time.time_ns()
+    time.sleep(0.5)
+    second = s.sample(time.time_ns())
+    validate(second)
+    burn, touch = of_pid(second, burner.pid), of_pid(second, toucher.pid)
+    wall = burn["proc.cpu_ns"]["interval_ns"]
+    assert wall >= 0.5e9 and wall <= time.time_ns() - t0 + 0.1e9
+    assert burn["proc.cpu_ns"]["value"] > 0.2 * wall
+    assert touch["proc.minflt"]["value"] > 100  # 2048 pages per 8 MiB pass
+    for metric in ("proc.cpu_ns", "proc.minflt", "proc.majflt", "proc.vol_ctx", "proc.invol_ctx",
+                   "proc.read_bytes", "proc.write_bytes"):
+        assert burn[metric]["interval_ns"] == wall and burn[metric]["value"] >= 0
+    assert burn["proc.rss_bytes"]["interval_ns"] == 0 and burn["proc.rss_bytes"]["value"] > 1 << 20
+    assert burn["proc.threads"]["value"] == 1
+    # identity as the resolver sees it; a process's rows are its own series
+    assert {(r["tenant"], r["job"], r["rank"], r["device"]) for r in burn.values()} == \
+        {("default", burn["proc.cpu_ns"]["job"], 0, f"pid{burner.pid}")}
+    assert touch["proc.cpu_ns"]["rank"] == 1 and touch["proc.cpu_ns"]["job"] == burn["proc.cpu_ns"]["job"]
+    assert s.stats()["proc_read_errors"] == 0
+
+
+def test_default_targets_are_rank_processes_only(children):
+    ranked, plain = children(SLEEP, rank=3), children(SLEEP)
+    s = sampler()
+    batch = s.sample()
+    assert of_pid(batch, ranked.pid) and not of_pid(batch, plain.pid)
+    assert ranked.pid in s.watcher.current and plain.pid not in s.watcher.current
+    assert os.getpid() not in s.watcher.current
+    assert s.stats()["proc_pids"] >= 1
+
+
+def test_rescan_at_most_every_poll_s(children):
+    now = [1000.0]
+    s = ProcessSampler("node-a", IdentityResolver(host="node-a"), poll_s=1.0, clock=lambda: now[0])
+    s.sample()
+    late = children(SLEEP, rank=0)
+    now[0] += 0.5
+    assert not of_pid(s.sample(), late.pid)  # no rescan yet
+    now[0] += 0.5
+    assert of_pid(s.sample(), late.pid)
+
+
+def test_process_exiting_between_samples_is_dropped_and_counted(children):
+    gone, stays = children(SLEEP, rank=0), children(SLEEP, rank=1)
+    s = sampler(TargetSpec(pids=(gone.pid, stays.pid)))
+    assert of_pid(s.sample(), gone.pid)
+    gone.kill()
+    gone.wait()
+    batch = s.sample()
+    assert not of_pid(batch, gone.pid) and of_pid(batch, stays.pid)
+    assert s.stats()["proc_vanished"] == 1 and s.stats()["proc_read_errors"] == 0
+    s.sample()
+    assert s.stats()["proc_vanished"] == 1  # counted once
+
+
+def test_zombie_is_dropped_not_read(children):
+    zombie = children(SLEEP, rank=0)
+    s = sampler(TargetSpec(pids=(zombie.pid,)))
+    s.sample()
+    zombie.kill()  # not reaped yet: a zombie until wait()
+    wait_until(lambda: read_file(f"/proc/{zombie.pid}/stat").split(b") ")[-1][:1] == b"Z")
+    assert not of_pid(s.sample(), zombie.pid)
+    assert s.stats()["proc_vanished"] == 1
+
+
+def test_comm_with_spaces_and_parentheses(children):
+    weird = children(RENAME, rank=0, ready=lambda pid: _comm(pid) == WEIRD_COMM)
+    raw = read_file(f"/proc/{weird.pid}/stat")
+    assert f"({WEIRD_COMM})".encode() in raw
+    starttime, _, _, _, threads, rss_pages = parse_stat(raw)
+    status = read_file(f"/proc/{weird.pid}/status").decode()
+    assert threads == int(status.split("Threads:")[1].split()[0])
+    assert rss_pages * os.sysconf("SC_PAGE_SIZE") == pytest.approx(
+        int(status.split("VmRSS:")[1].split()[0]) * 1024, rel=0.2)
+    # name targeting, as tracing's trace_name does
+    s = sampler(TargetSpec(name_pattern=r"we\) ird"))
+    s.sample()
+    time.sleep(0.05)
+    got = of_pid(s.sample(), weird.pid)
+    assert got["proc.threads"]["value"] == threads and got["proc.cpu_ns"]["value"] >= 0
+    assert s.stats()["proc_read_errors"] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
+def test_without_root_io_denied_is_counted_once_and_the_rest_published(children):
+    target = children(SLEEP, rank=0)  # owned by root
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the sampler as an unprivileged user, in a forked copy of this process
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            s = sampler(TargetSpec(pids=(target.pid,)))
+            batches = [s.sample(time.time_ns()), (time.sleep(0.05), s.sample(time.time_ns()))[1]]
+            out = {"metrics": sorted(of_pid(batches[1], target.pid)), "stats": s.stats()}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        got = json.loads(f.read() or "{}")
+    os.waitpid(child, 0)
+    assert got["stats"]["proc_io_denied"] == 1 and got["stats"]["proc_read_errors"] == 0
+    assert got["metrics"] == sorted(["proc.cpu_ns", "proc.minflt", "proc.majflt", "proc.vol_ctx", "proc.invol_ctx",
+                                     "proc.rss_bytes", "proc.threads"])
+
+
+def test_features_from_real_samples_through_windows(children):
+    burner, worker = children(BURN, rank=0), children(SLEEP, rank=0)
+    children(TOUCH, rank=1)
+    s = sampler()
+    assembler = WindowAssembler(window_s=3600.0, allowed_lateness_s=0, idle_close_s=3600)
+    for i in range(4):
+        if i:
+            time.sleep(0.25)
+        batch = s.sample(time.time_ns())
+        validate(batch)
+        assembler.add(batch, None)
+    windows = {w.key[3]: w for w in assembler.pop_closed(force=True) if w.key[1] == batch_job(batch, burner.pid)}
+    rank0, rank1 = window_features(windows[0]), window_features(windows[1])
+    assert rank0["proc_cpu_cores"] > 0.2  # one busy loop, on a shared machine
+    assert rank0["proc_threads"] == 2  # the burner's and its sleeping sibling's threads, summed
+    assert rank0["proc_rss_bytes"] > 2 * (1 << 20)
+    assert rank1["proc_minflt_per_s"] > 100
+    for f in (rank0, rank1):
+        for name in ("proc_majflt_per_s", "proc_vol_ctx_per_s", "proc_invol_ctx_per_s", "proc_read_bytes_per_s",
+                     "proc_write_bytes_per_s"):
+            assert name in f and f[name] >= 0
+        assert not any(k.startswith(("offcpu", "cuda_", "cpu_busy")) for k in f)  # no such sources: masked
+    assert worker.pid in s.watcher.current
+
+
+def batch_job(batch, pid: int) -> str:
+    return next(r["job"] for r in rows(batch) if r["pid"] == pid)
+
+
+def test_first_read_gives_gauges_and_masks_rates(children):
+    ranked = children(SLEEP, rank=0)
+    s = sampler(TargetSpec(pids=(ranked.pid,)))
+    assembler = WindowAssembler(window_s=3600.0, allowed_lateness_s=0, idle_close_s=3600)
+    assembler.add(s.sample(time.time_ns()), None)
+    (window,) = assembler.pop_closed(force=True)
+    f = window_features(window)
+    assert set(k for k in f if k.startswith("proc_")) == {"proc_rss_bytes", "proc_threads"}
+
+
+def test_schema_topics_config_and_subsystems_know_proc():
+    assert "proc" in RAW_SOURCES
+    cfg = load(env={})
+    assert cfg.proc_sampling is True and cfg.raw_topic("proc") in all_topics(cfg)
+    assert load(env={"FLEETSCOPE_PROC_SAMPLING": "off"}).proc_sampling is False
+    assert subsystem_of("proc_cpu_cores") == "cpu" and subsystem_of("proc_invol_ctx_per_s") == "cpu"
+    assert subsystem_of("proc_majflt_per_s") == "host_memory" and subsystem_of("proc_rss_bytes") == "host_memory"
+    assert subsystem_of("proc_write_bytes_per_s") == "storage"
+
+
+def test_explicit_trace_targets_are_followed(children):
+    plain = children(SLEEP)
+    cfg = load(env={"FLEETSCOPE_TRACE_PIDS": str(plain.pid), "FLEETSCOPE_HOST": "node-a"})
+    s = ProcessSampler.from_config(cfg, IdentityResolver(host="node-a"))
+    got = of_pid(s.sample(), plain.pid)
+    assert got and got["proc.threads"]["rank"] == -1  # not a rank: the node's identity columns
+    assert np.all(np.array(sorted(s.watcher.current)) == [plain.pid])
