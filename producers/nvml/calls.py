@@ -9,14 +9,25 @@ they are the library pynvml loaded) and reuse one out-parameter per device.
 Errors are pynvml's own exception classes (`pynvml.NVMLError(code)` picks the
 subclass), so callers handle them exactly as for pynvml's wrappers.
 
+The out-parameters are read back with one struct unpack of their memory:
+pynvml's structures override __getattribute__ (for printing), which makes
+each field read cost about as much as the C call itself.
+
 Calls made once a second or less (process lists, GPM support, handles) stay
 on pynvml's wrappers: there the convenience costs nothing that matters.
 """
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import pynvml
+
+# The layouts of pynvml's c_nvmlUtilization_t (gpu, memory) and c_nvmlMemory_t (total, free, used).
+_UTILIZATION = struct.Struct("<II")
+_MEMORY = struct.Struct("<QQQ")
+assert _UTILIZATION.size == ctypes.sizeof(pynvml.c_nvmlUtilization_t)
+assert _MEMORY.size == ctypes.sizeof(pynvml.c_nvmlMemory_t)
 
 _NAMES = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetClockInfo",
           "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage",
@@ -73,14 +84,15 @@ class DeviceCalls:
         ret = self._fn_util(self.handle, self._util_ref)
         if ret:
             raise pynvml.NVMLError(ret)
-        return self._util.gpu, self._util.memory
+        return _UTILIZATION.unpack_from(self._util)
 
     def memory(self) -> tuple[int, int]:
         """(used, total) bytes."""
         ret = self._fn_mem(self.handle, self._mem_ref)
         if ret:
             raise pynvml.NVMLError(ret)
-        return self._mem.used, self._mem.total
+        total, _, used = _MEMORY.unpack_from(self._mem)
+        return used, total
 
     def clock(self, kind: int) -> int:
         ret = self._fn_clock(self.handle, kind, self._uint_ref)

@@ -27,6 +27,8 @@ kept between its reads for OFU (it is a property of the board).
 """
 from __future__ import annotations
 
+import functools
+
 import pynvml
 
 from producers.nvml.field_batch import FieldSpec
@@ -47,9 +49,13 @@ THROTTLE_METRICS = ("nvml.throttle_reasons",) + tuple(f"nvml.throttle.{name}" fo
 _THROTTLE_BITS = tuple(bit for _, bit in THROTTLE_FLAGS)
 
 
-def decode_throttle(mask: int) -> list[float]:
-    """Values for THROTTLE_METRICS: the raw mask, then one 0/1 per flag."""
-    return [float(mask)] + [1.0 if mask & bit else 0.0 for bit in _THROTTLE_BITS]
+@functools.lru_cache(maxsize=64)
+def decode_throttle(mask: int) -> tuple[float, ...]:
+    """Values for THROTTLE_METRICS: the raw mask, then one 0/1 per flag.
+
+    Cached: a GPU sits in one or two masks for long stretches, and this runs
+    for every GPU on every tick."""
+    return (float(mask),) + tuple(1.0 if mask & bit else 0.0 for bit in _THROTTLE_BITS)
 
 
 ALL_LINKS = 0xFFFFFFFF

@@ -1,7 +1,7 @@
 """Many scalar readings of one device in one nvmlDeviceGetFieldValues call.
 
 A FieldBatch owns a preallocated array of nvmlFieldValue_t (the ids written
-once): a tick is one C call, then one struct unpack over the array's bytes
+once): a tick is one C call, then one struct unpack over the array's memory
 gives each field's value type, return code and value. NVML answers per field
 (each entry has its own nvmlReturn), so one unsupported field costs that
 field only.
@@ -82,7 +82,11 @@ class FieldBatch:
         self._arr = (pynvml.c_nvmlFieldValue_t * max(n, 1))()
         for j, i in enumerate(self._batched):
             self._arr[j].fieldId, self._arr[j].scopeId = specs[i].field_id, specs[i].scope_id
-        self._ref, self._count, self._size = ctypes.byref(self._arr), ctypes.c_int32(n), n * _ENTRY.size
+        self._ref, self._count = ctypes.byref(self._arr), ctypes.c_int32(n)
+        # One struct over the whole array: a read is one C-level unpack of the
+        # array's own memory (no copy out through ctypes.string_at, no
+        # per-entry iterator), giving (value type, return code, raw) per entry.
+        self._unpack = struct.Struct("<" + _ENTRY.format.lstrip("<") * n).unpack_from
         # (metric, scale, counter) per spec, and each counter's previous (raw value, ns) or None.
         self._plan = [(s.metric, s.scale, s.counter) for s in specs]
         self._prev = [prev.get(s.metric) for s in specs]
@@ -108,8 +112,8 @@ class FieldBatch:
             elif ret:
                 raise pynvml.NVMLError(ret)
             else:
-                entries = _ENTRY.iter_unpack(ctypes.string_at(self._ref, self._size))
-                for i, (vtype, code, raw) in zip(self._batched, entries):
+                flat = self._unpack(self._arr)
+                for i, vtype, code, raw in zip(self._batched, flat[0::3], flat[1::3], flat[2::3]):
                     if code:
                         rets[i] = code
                     elif vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pynvml
 
-from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS, node_identity
-from fleetscope.wire import Batch, StrColumn
+from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
+from fleetscope.wire import Batch
+from producers.host.columns import NodeIdentityColumns, RepeatingStrColumn, str_column
 from producers.nvml.calls import DeviceCalls, EntryPoints
 from producers.nvml.device_metrics import STATIC_FIELDS, THROTTLE_METRICS, TICK_FIELDS, decode_throttle
 from producers.nvml.energy import split_energy
@@ -140,6 +141,7 @@ class NvmlSampler:
         self._last_read: dict[str, int] = {}  # cadence group -> ns of its last read
         self._active = False
         self._opened = False
+        self._columns = _Columns(host)
         try:
             open_nvml(library_path)
             self._opened = True
@@ -185,12 +187,13 @@ class NvmlSampler:
         if self._active:
             identities: dict[int, tuple] = {}
             due = self._due(now_ns)
+            getters = [getter for getter in GETTERS if due[getter[1]]]  # the same for every GPU
             for dev in self._devices:
                 if not dev.lost:
-                    self._sample_device(dev, now_ns, due, rows, identities)
+                    self._sample_device(dev, now_ns, due, getters, rows, identities)
         # Status found during this tick (and at start-up) leads this tick's batch.
         pending, self._pending = self._pending, []
-        return _batch(self.host, pending, rows, now_ns) if (rows or pending) else None
+        return self._columns.batch(pending, rows, now_ns) if (rows or pending) else None
 
     def close(self) -> None:
         for dev in self._devices:
@@ -213,12 +216,14 @@ class NvmlSampler:
                 self._last_read[group] = now_ns
         return due
 
-    def _sample_device(self, dev: _Device, now_ns: int, due: dict, rows: _Rows, identities: dict) -> None:
+    def _sample_device(self, dev: _Device, now_ns: int, due: dict, getters: list, rows: _Rows,
+                       identities: dict) -> None:
+        """`getters`: the GETTERS due this tick."""
         calls, unsupported = dev.calls, dev.unsupported
         metrics: list[str] = []
         values: list[float] = []
-        for name, group, reader in GETTERS:
-            if name in unsupported or not due[group]:
+        for name, _, reader in getters:
+            if name in unsupported:
                 continue
             try:
                 names, got = reader(calls)
@@ -415,38 +420,42 @@ def _process_samples(handle, last_seen_us: int) -> list:
         return []  # NVML's way of saying it holds no samples newer than last_seen_us
 
 
-def _batch(host: str, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
-    """Columns straight from the row lists: status rows, device rows, then process rows."""
-    metric, device, value, interval, gpu = rows.metric, rows.device, rows.value, rows.interval, rows.gpu
-    if pending:
-        metric = [p[0] for p in pending] + metric
-        device = [p[1] for p in pending] + device
-        value = [p[2] for p in pending] + value
-        interval = [0] * len(pending) + interval
-        gpu = [p[3] for p in pending] + gpu
-    n_node, procs = len(metric), rows.procs
-    n = n_node + len(procs)
-    if not procs:
-        columns = node_identity(host, n)
-    else:
-        metric, device, value, interval, gpu = (
-            metric + [p[0] for p in procs], device + [p[1] for p in procs], value + [p[2] for p in procs],
-            interval + [p[3] for p in procs], gpu + [p[4] for p in procs])
-        columns = {"tenant": _str_column([NODE_TENANT] * n_node + [p[6] or NODE_TENANT for p in procs]),
-                   "job": _str_column([host] * n_node + [p[7] or host for p in procs]),
-                   "rank": np.array([NO_RANK] * n_node + [p[8] for p in procs], dtype="<i4"),
-                   "pid": np.array([0] * n_node + [p[5] for p in procs], dtype="<i4")}
-    columns.update({"ts_ns": np.full(n, now_ns, dtype="<i8"), "gpu": np.array(gpu, dtype="<i2"),
-                    "metric": _str_column(metric), "device": _str_column(device),
-                    "value": np.array(value, dtype="<f8"), "interval_ns": np.array(interval, dtype="<i8")})
-    # Schema order, and a KeyError here (not in a consumer) if the schema grows a column.
-    return Batch(source="nvml", host=host, created_ns=now_ns,
-                 columns={name: columns[name] for name in SOURCE_COLUMNS["nvml"]})
+class _Columns:
+    """Builds a tick's batch from its row lists. The metric and device columns
+    and the node identity are reused while the tick's layout repeats (see
+    producers/host/columns.py): most ticks carry the same rows as the last."""
 
+    def __init__(self, host: str):
+        self.host = host
+        self._identity = NodeIdentityColumns(host)
+        self._metric = RepeatingStrColumn()
+        self._device = RepeatingStrColumn()
 
-def _str_column(items: list[str]) -> StrColumn:
-    # Dictionary in first-seen order, then one C-level dict lookup per row.
-    values = tuple(dict.fromkeys(items))
-    index = {s: i for i, s in enumerate(values)}
-    codes = np.fromiter(map(index.__getitem__, items), dtype=np.uint32, count=len(items))
-    return StrColumn(codes, values)
+    def batch(self, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
+        """Status rows, device rows, then process rows."""
+        host = self.host
+        metric, device, value, interval, gpu = rows.metric, rows.device, rows.value, rows.interval, rows.gpu
+        if pending:
+            metric = [p[0] for p in pending] + metric
+            device = [p[1] for p in pending] + device
+            value = [p[2] for p in pending] + value
+            interval = [0] * len(pending) + interval
+            gpu = [p[3] for p in pending] + gpu
+        n_node, procs = len(metric), rows.procs
+        n = n_node + len(procs)
+        if not procs:
+            columns = self._identity(n)
+        else:
+            metric, device, value, interval, gpu = (
+                metric + [p[0] for p in procs], device + [p[1] for p in procs], value + [p[2] for p in procs],
+                interval + [p[3] for p in procs], gpu + [p[4] for p in procs])
+            columns = {"tenant": str_column([NODE_TENANT] * n_node + [p[6] or NODE_TENANT for p in procs]),
+                       "job": str_column([host] * n_node + [p[7] or host for p in procs]),
+                       "rank": np.array([NO_RANK] * n_node + [p[8] for p in procs], dtype="<i4"),
+                       "pid": np.array([0] * n_node + [p[5] for p in procs], dtype="<i4")}
+        columns.update(ts_ns=np.full(n, now_ns, dtype="<i8"), gpu=np.array(gpu, dtype="<i2"),
+                       metric=self._metric(metric), device=self._device(device),
+                       value=np.array(value, dtype="<f8"), interval_ns=np.array(interval, dtype="<i8"))
+        # Schema order, and a KeyError here (not in a consumer) if the schema grows a column.
+        return Batch(source="nvml", host=host, created_ns=now_ns,
+                     columns={name: columns[name] for name in SOURCE_COLUMNS["nvml"]})
