@@ -448,3 +448,17 @@ def test_gpm_is_read_once_a_second_and_ofu_uses_the_intervals_mean_sm_clock(scen
     # Tick 0 takes the first GPM sample; ticks 1..10 read SM clock 1000, ticks 11..20 read 2000 (the last value repeats).
     assert out[10][("nvml.ofu", "gpu0")]["value"] == pytest.approx(60.0 * 1000 / 2000)
     assert out[20][("nvml.ofu", "gpu0")]["value"] == pytest.approx(60.0 * 2000 / 2000)
+
+
+def test_the_one_call_tick_path_gives_the_rows_of_the_getter_by_getter_path(scenario, make_sampler, monkeypatch):
+    # DeviceCalls.tick() reads the every-tick getters in one call; when it
+    # answers None the sampler goes getter by getter. Both give the same rows.
+    from producers.nvml.calls import DeviceCalls
+    scenario(FULL)
+    first = make_sampler()
+    one_call = [device_rows(rows) for rows in ticks(first, 3, step_ns=SEC // 10)]
+    first.close()  # the stand-in rereads its script (and restarts its sequences) at the next init
+    monkeypatch.setattr(DeviceCalls, "tick", lambda self: None)
+    by_getter = [device_rows(rows) for rows in ticks(make_sampler(), 3, step_ns=SEC // 10)]
+    assert [sorted(d) for d in one_call] == [sorted(d) for d in by_getter]
+    assert one_call == by_getter
