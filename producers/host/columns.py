@@ -43,23 +43,24 @@ def str_column(items: Sequence[str]) -> StrColumn:
     return StrColumn(codes, values)
 
 
-class RepeatingStrColumn:
-    """One string column (say, "metric") of successive batches: a StrColumn per
-    distinct sequence of strings, reused while that sequence comes back."""
+class RepeatingColumn:
+    """One column (say, "metric") of successive batches: `build(items)` once per
+    distinct sequence of items, the result reused while that sequence comes back."""
 
-    def __init__(self) -> None:
-        self._recent: list[tuple[Sequence[str], StrColumn]] = []  # most recently used first
+    def __init__(self, build=str_column) -> None:
+        self._build = build
+        self._recent: list[tuple[tuple, StrColumn | np.ndarray]] = []  # most recently used first
 
-    def __call__(self, items: Sequence[str]) -> StrColumn:
+    def __call__(self, items: Sequence) -> StrColumn | np.ndarray:
         items = tuple(items)  # a tuple as it is; a list copied, since the caller may reuse it
         recent = self._recent
         for k, (seen, column) in enumerate(recent):
-            if seen == items:  # a length check first, then mostly pointer-equal strings
+            if seen == items:  # a length check first, then mostly pointer-equal items
                 if k:
                     recent.insert(0, recent.pop(k))
                 return column
-        column = str_column(items)
-        _read_only(column.codes)
+        column = self._build(items)
+        _read_only(column.codes if isinstance(column, StrColumn) else column)
         recent.insert(0, (items, column))
         del recent[_KEPT_LAYOUTS:]
         return column

@@ -9,7 +9,7 @@ import numpy as np
 from fleetscope.schema import SOURCE_COLUMNS
 from fleetscope.wire import Batch
 from producers.host.collector import Collector, Sample, load_builtin_collectors
-from producers.host.columns import NodeIdentityColumns, RepeatingStrColumn
+from producers.host.columns import NodeIdentityColumns, RepeatingColumn
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ class HostSampler:
         self._last_run: list[int | None] = [None] * len(self.collectors)
         # Built once per layout of rows (see columns.py).
         self._identity = NodeIdentityColumns(host)
-        self._metric_column = RepeatingStrColumn()
-        self._device_column = RepeatingStrColumn()
+        self._metric_column = RepeatingColumn()
+        self._device_column = RepeatingColumn()
 
     def sample(self, now_ns: int | None = None) -> Batch | None:
         """One batch of every collector's samples at now_ns, or None if there are none."""

@@ -47,22 +47,31 @@ _UNSUPPORTED = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_
 _U64, _I64, _F64 = struct.Struct("<Q"), struct.Struct("<q"), struct.Struct("<d")
 
 
+def _signed(bits: int):
+    def decode(raw: int) -> float:
+        low = raw & ((1 << bits) - 1)
+        return float(low - (1 << bits) if low >= 1 << (bits - 1) else low)
+    return decode
+
+
+# nvmlValueType -> the union's raw bits as a number.
+_DECODERS = {
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: float,
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: float,  # 64-bit on Linux
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: lambda raw: float(raw & 0xFFFFFFFF),
+    pynvml.NVML_VALUE_TYPE_DOUBLE: lambda raw: _F64.unpack(_U64.pack(raw))[0],
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: _signed(64),
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: _signed(32),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: lambda raw: float(raw & 0xFFFF),
+}
+
+
 def _decode(vtype: int, raw: int) -> float:
     """The union's bits as a number, per nvmlValueType."""
-    if vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG or vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
-        return float(raw)  # UNSIGNED_LONG is 64-bit on Linux
-    if vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
-        return float(raw & 0xFFFFFFFF)
-    if vtype == pynvml.NVML_VALUE_TYPE_DOUBLE:
-        return _F64.unpack(_U64.pack(raw))[0]
-    if vtype == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-        return float(_I64.unpack(_U64.pack(raw))[0])
-    if vtype == pynvml.NVML_VALUE_TYPE_SIGNED_INT:
-        low = raw & 0xFFFFFFFF
-        return float(low - (1 << 32) if low >= 1 << 31 else low)
-    if vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
-        return float(raw & 0xFFFF)
-    raise ValueError(f"unknown NVML value type {vtype}")
+    decoder = _DECODERS.get(vtype)
+    if decoder is None:
+        raise ValueError(f"unknown NVML value type {vtype}")
+    return decoder(raw)
 
 
 class FieldBatch:
@@ -113,11 +122,16 @@ class FieldBatch:
                 raise pynvml.NVMLError(ret)
             else:
                 flat = self._unpack(self._arr)
-                for i, vtype, code, raw in zip(self._batched, flat[0::3], flat[1::3], flat[2::3]):
+                codes = flat[1::3]
+                if not self._getters and not any(codes):
+                    # The usual read: every field is in the array and answered.
+                    try:
+                        return [_DECODERS[vtype](raw) for vtype, raw in zip(flat[0::3], flat[2::3])], list(codes)
+                    except KeyError:
+                        pass  # a value type we do not know: the loop below says which
+                for i, vtype, code, raw in zip(self._batched, flat[0::3], codes, flat[2::3]):
                     if code:
                         rets[i] = code
-                    elif vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
-                        values[i] = float(raw)
                     else:
                         values[i] = _decode(vtype, raw)
         for i in self._getters:

@@ -28,7 +28,7 @@ import pynvml
 
 from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
 from fleetscope.wire import Batch
-from producers.host.columns import NodeIdentityColumns, RepeatingStrColumn, str_column
+from producers.host.columns import NodeIdentityColumns, RepeatingColumn, str_column
 from producers.nvml.calls import DeviceCalls, EntryPoints
 from producers.nvml.device_metrics import STATIC_FIELDS, THROTTLE_METRICS, TICK_FIELDS, decode_throttle
 from producers.nvml.energy import split_energy
@@ -465,8 +465,9 @@ class _Columns:
     def __init__(self, host: str):
         self.host = host
         self._identity = NodeIdentityColumns(host)
-        self._metric = RepeatingStrColumn()
-        self._device = RepeatingStrColumn()
+        self._metric = RepeatingColumn()
+        self._device = RepeatingColumn()
+        self._gpu = RepeatingColumn(lambda gpus: np.array(gpus, dtype="<i2"))
 
     def batch(self, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
         """Status rows, device rows, then process rows."""
@@ -490,7 +491,7 @@ class _Columns:
                        "job": str_column([host] * n_node + [p[7] or host for p in procs]),
                        "rank": np.array([NO_RANK] * n_node + [p[8] for p in procs], dtype="<i4"),
                        "pid": np.array([0] * n_node + [p[5] for p in procs], dtype="<i4")}
-        columns.update(ts_ns=np.full(n, now_ns, dtype="<i8"), gpu=np.array(gpu, dtype="<i2"),
+        columns.update(ts_ns=np.full(n, now_ns, dtype="<i8"), gpu=self._gpu(gpu),
                        metric=self._metric(metric), device=self._device(device),
                        value=np.array(value, dtype="<f8"), interval_ns=np.array(interval, dtype="<i8"))
         # Schema order, and a KeyError here (not in a consumer) if the schema grows a column.
