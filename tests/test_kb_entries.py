@@ -242,3 +242,20 @@ def test_loader_reports_every_bad_file_and_accepts_good_ones(tmp_path):
 
 def test_shipped_kb_dir_is_the_repository_kb():
     assert KB_DIR == Path(__file__).resolve().parents[1] / "kb"
+
+
+def test_a_cpu_only_job_can_match_an_entry_whose_gpu_condition_it_cannot_answer(kb):
+    """dataloader_input_stall's `gpu_util <= 60` says if_present: a job without GPU features is judged
+    on its storage signs alone; a GPU job that is still fed is not matched."""
+    cpu_only = {k: v for k, v in HEALTHY.items() if not k.startswith(("gpu_", "cuda_", "nccl_"))}
+    stalled = Anomaly("acme", "train-1", "node-a", 1, 1_700_000_000_000_000_000, score=40.0, threshold=25.0,
+                      detectors=["peer"], contributions={"proc_read_bytes_per_s": 30.0},
+                      peer_z={"proc_read_bytes_per_s": 40.0},
+                      features={**cpu_only, "proc_read_bytes_per_s": 8e7})
+    got = diagnose(stalled, kb)
+    assert got.best == "dataloader_input_stall", got.matches
+    assert "gpu_util <= 60 or absent" in got.matches[0].held
+    fed = Anomaly("acme", "train-1", "node-a", 1, 1_700_000_000_000_000_000, score=40.0, threshold=25.0,
+                  detectors=["peer"], contributions={"proc_read_bytes_per_s": 30.0},
+                  peer_z={"proc_read_bytes_per_s": 40.0}, features={**HEALTHY, "proc_read_bytes_per_s": 8e7})
+    assert "dataloader_input_stall" not in [m.entry for m in diagnose(fed, kb).matches]

@@ -22,7 +22,8 @@ A file holds (every field is checked on load; an error names file and field):
 
 A condition reads the window's feature value (`feature`) or its peer z-score
 (`peer_z`); `abs: true` compares the magnitude. A masked (absent) input makes
-its condition false. `{name}` placeholders in commands are filled per argv
+its condition false, unless it says `if_present: true`: then an absent input
+holds (a GPU condition that a CPU-only job cannot be asked about). `{name}` placeholders in commands are filled per argv
 token at plan time (remediation.py), never through a shell.
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Condition:
     op: str
     value: float
     use_abs: bool = False
+    if_present: bool = False   # an absent input holds
 
     def read(self, features: Mapping[str, float], peer_z: Mapping[str, float]) -> float | None:
         table = features if self.source == "feature" else peer_z
@@ -78,11 +80,14 @@ class Condition:
 
     def holds(self, features: Mapping[str, float], peer_z: Mapping[str, float]) -> bool:
         v = self.read(features, peer_z)
-        return v is not None and OPS[self.op](v, self.value)
+        if v is None:
+            return self.if_present
+        return OPS[self.op](v, self.value)
 
     def describe(self) -> str:
         lhs = f"{self.source}.{self.name}" if self.source == "peer_z" else self.name
-        return f"{'|' + lhs + '|' if self.use_abs else lhs} {self.op} {self.value:g}"
+        text = f"{'|' + lhs + '|' if self.use_abs else lhs} {self.op} {self.value:g}"
+        return f"{text} or absent" if self.if_present else text
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,7 @@ def _conditions(items: Any, where: str) -> tuple[Condition, ...]:
         w = f"{where}[{i}]"
         if not isinstance(item, dict):
             raise KBError(f"{w}: a condition is a mapping like {{feature: X, op: '>=', value: 1}}")
-        _no_unknown(item, {"feature", "peer_z", "op", "value", "abs"}, w)
+        _no_unknown(item, {"feature", "peer_z", "op", "value", "abs", "if_present"}, w)
         sources = [s for s in ("feature", "peer_z") if s in item]
         if len(sources) != 1:
             raise KBError(f"{w}: give exactly one of `feature` or `peer_z`")
@@ -193,9 +198,11 @@ def _conditions(items: Any, where: str) -> tuple[Condition, ...]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise KBError(f"{w}.value: must be a finite number, got {value!r}")
         use_abs = item.get("abs", False)
-        if not isinstance(use_abs, bool):
-            raise KBError(f"{w}.abs: must be true or false")
-        out.append(Condition(sources[0], name, op, float(value), use_abs))
+        if_present = item.get("if_present", False)
+        for key, flag in (("abs", use_abs), ("if_present", if_present)):
+            if not isinstance(flag, bool):
+                raise KBError(f"{w}.{key}: must be true or false")
+        out.append(Condition(sources[0], name, op, float(value), use_abs, if_present))
     return tuple(out)
 
 
