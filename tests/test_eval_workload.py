@@ -70,3 +70,25 @@ def test_gpu_standin_plan_puts_each_fault_in_its_call():
     assert 50_000 < step_time_us(plan_step(cfg, 2)) < 200_000
     with pytest.raises(ValueError, match="unknown stand-in knob"):
         plan_step(cfg, 2, {"gc_strom": {}})
+
+
+def test_slow_storage_reads_from_the_device_and_blocks_for_the_batch_time(tmp_path):
+    """The data-loader stall's fetch: uncached bytes the kernel counts as read from storage."""
+    from benchmarks.workloads.ddp_train import SlowStorage
+
+    def read_bytes() -> int:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+    storage = SlowStorage(str(tmp_path), size_mb=8)
+    try:
+        storage.fetch(1, 0)  # creates the scratch file
+        before, t0 = read_bytes(), time.monotonic()
+        for _ in range(4):
+            storage.fetch(2, 30)
+        took, got = time.monotonic() - t0, read_bytes() - before
+    finally:
+        storage.close()
+    assert got >= 4 * (2 << 20) * 0.9, got  # page cache dropped before each read
+    assert took >= 4 * 0.030
+    assert not list(tmp_path.iterdir())  # the scratch file is gone

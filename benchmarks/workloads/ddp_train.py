@@ -16,7 +16,9 @@ changing the program (a GC storm, a slow input pipeline). For those the workload
 FLEETSCOPE_WORKLOAD_CONTROL_DIR at start; if set, it checks `<dir>/rank<RANK>.json` each
 step (one stat call) and applies what the file asks for while it exists:
     {"gc_storm": {"cycles_per_step": 20000}}      allocate and drop reference cycles
-    {"dataloader_stall": {"ms_per_batch": 80}}    fetching a batch blocks like slow storage
+    {"dataloader_stall": {"ms_per_batch": 80, "read_mb_per_batch": 8}}
+                                                  fetching a batch reads its data from storage,
+                                                  uncached, and blocks like slow storage
 Without the variable, no knob exists and nothing is checked.
 """
 from __future__ import annotations
@@ -114,11 +116,60 @@ def gc_storm(cycles: int) -> None:
         a.append(a)
 
 
-def apply_knobs(knobs: dict) -> None:
+class SlowStorage:
+    """A batch's data read from a scratch file with its page cache dropped first, so the bytes
+    come from the block device (the process's read_bytes in /proc/<pid>/io count them); the
+    fetch then blocks until `ms_per_batch` have passed, as storage slower than this disk would."""
+
+    def __init__(self, directory: str, size_mb: int = 64):
+        self.path = os.path.join(directory, f"scratch-{os.getpid()}.bin")
+        self.size = size_mb << 20
+        self.fd: int | None = None
+        self.offset = 0
+
+    def _open(self) -> int:
+        if self.fd is None:
+            with open(self.path, "wb") as f:
+                for _ in range(self.size >> 20):
+                    f.write(os.urandom(1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+            self.fd = os.open(self.path, os.O_RDONLY)
+        return self.fd
+
+    def fetch(self, read_mb: float, ms: float) -> None:
+        t0 = time.monotonic()
+        fd, want = self._open(), min(int(read_mb * (1 << 20)), self.size)
+        if self.offset + want > self.size:
+            self.offset = 0
+        os.posix_fadvise(fd, self.offset, want, os.POSIX_FADV_DONTNEED)
+        done = 0
+        while done < want:
+            chunk = os.pread(fd, min(1 << 20, want - done), self.offset + done)
+            if not chunk:
+                break
+            done += len(chunk)
+        self.offset += want
+        time.sleep(max(0.0, ms / 1000.0 - (time.monotonic() - t0)))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def apply_knobs(knobs: dict, storage: SlowStorage | None = None) -> None:
     if "gc_storm" in knobs:
         gc_storm(int(knobs["gc_storm"].get("cycles_per_step", 20000)))
     if "dataloader_stall" in knobs:
-        time.sleep(float(knobs["dataloader_stall"].get("ms_per_batch", 80)) / 1000.0)
+        stall = knobs["dataloader_stall"]
+        ms = float(stall.get("ms_per_batch", 80))
+        if storage is None:
+            time.sleep(ms / 1000.0)
+        else:
+            storage.fetch(float(stall.get("read_mb_per_batch", 8)), ms)
 
 
 def all_ranks_past(deadline: float) -> bool:
@@ -143,6 +194,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     control = Control(rank)
+    storage = SlowStorage(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
     data = SyntheticData(args.features, rank, world)
     loader = iter(DataLoader(data, batch_size=args.batch, num_workers=0))  # sequential: lazy
     model = DistributedDataParallel(make_model(args.features, args.hidden, args.layers))
@@ -156,7 +208,7 @@ def main(argv=None) -> int:
     steps = 0
     while (steps < args.steps) if args.steps > 0 else not all_ranks_past(deadline):
         knobs = control.poll()
-        apply_knobs(knobs)  # the input pipeline and the interpreter, before the batch is used
+        apply_knobs(knobs, storage)  # the input pipeline and the interpreter, before the batch is used
         x, y = next(loader)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
@@ -176,6 +228,8 @@ def main(argv=None) -> int:
         with open(os.path.join(os.environ[RESULT_ENV], f"rank{rank}.json"), "w") as f:
             f.write(result)
     dist.destroy_process_group()
+    if storage is not None:
+        storage.close()
     return 0
 
 
