@@ -1,4 +1,4 @@
-"""Batch columns that repeat from tick to tick, built once and reused.
+"""Batch columns that repeat from tick to tick, built once and reused; batch ids.
 
 A sampler emits nearly the same rows every tick: the same metrics on the
 same devices in the same order, only the values differ. Dictionary-encoding
@@ -18,6 +18,8 @@ the producers package has no shared module of its own.
 """
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -86,3 +88,21 @@ class NodeIdentityColumns:
                 self._by_count.pop(next(iter(self._by_count)))  # the oldest
             self._by_count[n] = columns
         return dict(columns)  # the caller adds its own columns to the dict
+
+
+class BatchIds:
+    """Unique batch ids, as cheap as a counter: a random 64-bit prefix per
+    sampler, then a 64-bit count (32 hex digits, like uuid4().hex).
+
+    Batch's default, uuid4(), cost about 0.1 ms of CPU per tick (os.urandom
+    and the UUID object) at a 100 ms tick on a cold cache: a tenth of the
+    sampler's budget. Consumers only need ids to be unique (they deduplicate
+    by them), which a fresh random prefix per sampler instance keeps across
+    samplers, processes and restarts."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"

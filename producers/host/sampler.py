@@ -9,7 +9,7 @@ import numpy as np
 from fleetscope.schema import SOURCE_COLUMNS
 from fleetscope.wire import Batch
 from producers.host.collector import Collector, Sample, load_builtin_collectors
-from producers.host.columns import NodeIdentityColumns, RepeatingColumn
+from producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class HostSampler:
         self._identity = NodeIdentityColumns(host)
         self._metric_column = RepeatingColumn()
         self._device_column = RepeatingColumn()
+        self._batch_id = BatchIds()
 
     def sample(self, now_ns: int | None = None) -> Batch | None:
         """One batch of every collector's samples at now_ns, or None if there are none."""
@@ -62,6 +63,6 @@ class HostSampler:
         spec = SOURCE_COLUMNS["host"]
         # Emit columns in the schema's order, and fail loudly here (not in a
         # consumer) if the schema grows a column this sampler does not fill.
-        return Batch(source="host", host=self.host, created_ns=now_ns,
+        return Batch(source="host", host=self.host, created_ns=now_ns, batch_id=self._batch_id(),
                      columns={name: columns[name] for name in spec})
 

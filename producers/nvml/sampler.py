@@ -28,7 +28,7 @@ import pynvml
 
 from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
 from fleetscope.wire import Batch
-from producers.host.columns import NodeIdentityColumns, RepeatingColumn, str_column
+from producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn, str_column
 from producers.nvml.calls import DeviceCalls, EntryPoints
 from producers.nvml.device_metrics import STATIC_FIELDS, THROTTLE_METRICS, TICK_FIELDS, decode_throttle
 from producers.nvml.energy import split_energy
@@ -230,7 +230,7 @@ class NvmlSampler:
         metrics, values = got
         rows.extend(dev, metrics, values)
         for group, batch in dev.fields.items():
-            if due[group] and len(batch):
+            if due[group] and batch.specs:
                 self._sample_fields(dev, group, batch, now_ns, rows)
                 if dev.lost:
                     return
@@ -468,6 +468,7 @@ class _Columns:
         self._metric = RepeatingColumn()
         self._device = RepeatingColumn()
         self._gpu = RepeatingColumn(lambda gpus: np.array(gpus, dtype="<i2"))
+        self._batch_id = BatchIds()
 
     def batch(self, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
         """Status rows, device rows, then process rows."""
@@ -495,5 +496,5 @@ class _Columns:
                        metric=self._metric(metric), device=self._device(device),
                        value=np.array(value, dtype="<f8"), interval_ns=np.array(interval, dtype="<i8"))
         # Schema order, and a KeyError here (not in a consumer) if the schema grows a column.
-        return Batch(source="nvml", host=host, created_ns=now_ns,
+        return Batch(source="nvml", host=host, created_ns=now_ns, batch_id=self._batch_id(),
                      columns={name: columns[name] for name in SOURCE_COLUMNS["nvml"]})
