@@ -50,6 +50,7 @@ import numpy as np
 from scipy.stats import norm
 
 LOG_2PI = float(np.log(2 * np.pi))
+CHOL_KEPT = 256     # full covariance: factorizations kept per M-step (component x mask pattern)
 
 
 def _logsumexp_rows(a: np.ndarray) -> np.ndarray:
@@ -67,6 +68,21 @@ def _chi2_isf(p: float, dof: np.ndarray) -> np.ndarray:
     z = _norm_isf(p)
     h = 2.0 / (9.0 * dof)
     return dof * (1.0 - h + z * np.sqrt(h)) ** 3
+
+
+@lru_cache(maxsize=64)
+def _chi2_limit(p: float, dof: float) -> float:
+    """_chi2_isf(p, dof) / dof for one dof (same arithmetic as the vectorized form)."""
+    return float(_chi2_isf(p, np.array([dof]))[0] / dof)
+
+
+def _step(s: np.ndarray, S: np.ndarray, eta: float, W: float) -> np.ndarray:
+    """(1 - eta) * s + eta * S / W, in one new array (s may be a read-only checkpoint array)."""
+    out = (1 - eta) * s
+    S = eta * S
+    S /= W
+    out += S
+    return out
 
 
 @dataclass
@@ -153,6 +169,23 @@ class GaussianMixture:
             self.var = diag
         else:
             self.var = np.maximum(self.s2 / s0[:, None] - self.means ** 2, floor)
+        self._terms = None      # per-parameter terms of the density, rebuilt on first use
+        self._chol = {}         # full: (component, observed dims) -> (L^-1, log|Sigma_oo|)
+
+    def _diag_terms(self) -> tuple[np.ndarray, ...]:
+        """Diagonal density terms that depend only on the parameters, computed once per M-step
+        (score, contributions and the next score share them until the parameters move):
+        prec^T, (mu * prec)^T, (mu^2 * prec)^T, (log var + log 2pi)^T and their row sums
+        (the all-observed case), log 2pi + log var, and the log weights."""
+        if self._terms is None:
+            prec = 1.0 / self.var
+            mp = self.means * prec
+            mmp = self.means * mp
+            lv = LOG_2PI + np.log(self.var)
+            self._terms = (prec.T.copy(), mp.T.copy(), mmp.T.copy(), lv.T.copy(),
+                           mmp.sum(axis=1), lv.sum(axis=1), lv,
+                           np.log(np.maximum(self.weights, 1e-300)))
+        return self._terms
 
     # --------------------------------------------------------------- scores
     def _patterns(self, M: np.ndarray):
@@ -168,23 +201,41 @@ class GaussianMixture:
 
         numpy's LAPACK, not scipy.linalg.solve_triangular: the latter was ~100x
         slower for these small systems on a loaded 2-core machine (thread wake-ups).
+        Kept until the next M-step: score and contributions of a window share them.
         """
-        sub = self.cov[k][np.ix_(o, o)]
-        L = np.linalg.cholesky(sub + 1e-9 * np.eye(o.size))
-        return np.linalg.inv(L), 2.0 * float(np.log(np.diagonal(L)).sum())
+        key = (k, o.tobytes())
+        hit = self._chol.get(key)
+        if hit is None:
+            sub = self.cov[k][np.ix_(o, o)]
+            L = np.linalg.cholesky(sub + 1e-9 * np.eye(o.size))
+            hit = np.linalg.inv(L), 2.0 * float(np.log(np.diagonal(L)).sum())
+            if len(self._chol) >= CHOL_KEPT:
+                self._chol.clear()
+            self._chol[key] = hit
+        return hit
 
     def _log_dens(self, Z: np.ndarray, M: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(log N_k(x_o), squared Mahalanobis, n_obs); Z is 0 where masked."""
         n, K = Z.shape[0], self.n_components
-        Mf = M.astype(float)
-        n_obs = Mf.sum(axis=1)
         if not self.full:
-            prec = 1.0 / self.var
-            mp = self.means * prec
-            maha = (Z * Z) @ prec.T - 2.0 * (Z @ mp.T) + Mf @ (self.means * mp).T
-            logdet = Mf @ np.log(self.var).T
-            np.maximum(maha, 0.0, out=maha)
-            return -0.5 * (maha + logdet + n_obs[:, None] * LOG_2PI), maha, n_obs
+            precT, mpT, mmpT, lvT, mmp_sum, lv_sum, _, _ = self._diag_terms()
+            maha = (Z * Z) @ precT
+            maha -= 2.0 * (Z @ mpT)
+            if M.all():          # every cell observed: the mask sums are the row sums
+                n_obs = np.full(n, float(M.shape[1]))
+                maha += mmp_sum
+                np.maximum(maha, 0.0, out=maha)
+                logn = maha + lv_sum
+            else:
+                Mf = M.astype(float)
+                n_obs = Mf.sum(axis=1)
+                maha += Mf @ mmpT
+                np.maximum(maha, 0.0, out=maha)
+                logn = Mf @ lvT
+                logn += maha
+            logn *= -0.5
+            return logn, maha, n_obs
+        n_obs = M.sum(axis=1).astype(float)
         maha = np.zeros((n, K))
         logdet = np.zeros((n, K))
         for o, rows in self._patterns(M):
@@ -203,19 +254,37 @@ class GaussianMixture:
             n = Z.shape[0]
             return Scored(np.zeros(n), np.zeros((n, 0)), np.zeros((n, 0)), M.sum(axis=1).astype(float))
         logn, maha, n_obs = self._log_dens(Z, M)
-        joint = logn + np.log(np.maximum(self.weights, 1e-300))
+        logw = self._diag_terms()[-1] if not self.full else np.log(np.maximum(self.weights, 1e-300))
+        joint = logn
+        joint += logw
+        if joint.shape[1] == 1:     # one component: log-sum-exp is the term itself, posterior 1
+            return Scored(-joint[:, 0], np.ones_like(joint), maha, n_obs)
         lse = _logsumexp_rows(joint)
-        return Scored(-lse, np.exp(joint - lse[:, None]), maha, n_obs)
+        joint -= lse[:, None]
+        np.exp(joint, out=joint)
+        return Scored(-lse, joint, maha, n_obs)
 
     def contributions(self, Z: np.ndarray, M: np.ndarray, sc: Scored) -> np.ndarray:
         """(n, D) per-feature terms of -log N_c(x_o) for the responsible component c."""
         n, D = Z.shape
         if self.n_components == 0:
             return np.zeros((n, D))
-        comp = sc.resp.argmax(axis=1)
         if not self.full:
-            mu, var = self.means[comp], self.var[comp]
-            return np.where(M, 0.5 * (LOG_2PI + np.log(var) + (Z - mu) ** 2 / var), 0.0)
+            lv = self._diag_terms()[6]
+            if self.n_components == 1:
+                mu, var, lv = self.means[0], self.var[0], lv[0]
+            else:
+                comp = sc.resp.argmax(axis=1)
+                mu, var, lv = self.means[comp], self.var[comp], lv[comp]
+            out = Z - mu
+            out *= out
+            out /= var
+            np.add(lv, out, out=out)
+            out *= 0.5
+            if not M.all():
+                out[~M] = 0.0
+            return out
+        comp = sc.resp.argmax(axis=1)
         out = np.zeros((n, D))
         for o, rows in self._patterns(M):
             if o.size == 0:
@@ -233,10 +302,13 @@ class GaussianMixture:
         """Weighted sums of s0, s1, s2 with missing cells imputed per component."""
         S0 = Rw.sum(axis=0)
         if not self.full:
-            U = (~M).astype(float)
-            RU = Rw.T @ U
-            S1 = Rw.T @ Z + self.means * RU
-            S2 = Rw.T @ (Z * Z) + (self.means ** 2 + self.var) * RU
+            RwT = Rw.T
+            S1 = RwT @ Z
+            S2 = RwT @ (Z * Z)
+            if not M.all():      # a missing cell adds its component's mean and mean^2 + var
+                RU = RwT @ (~M).astype(float)
+                S1 += self.means * RU
+                S2 += (self.means ** 2 + self.var) * RU
             return S0, S1, S2
         K, D = self.n_components, self.dim
         S1 = np.zeros((K, D))
@@ -301,12 +373,10 @@ class GaussianMixture:
             self._seed(Z, M)
             scored = None
         sc = scored if scored is not None else self.score(Z, M)
-        eta = max((self.t + 2.0) ** -self.cfg.alpha, self.cfg.eta_min) * (w.sum() / n)
-        S0, S1, S2 = self._batch_stats(Z, M, sc.resp * w[:, None])
         W = w.sum()
-        self.s0 = (1 - eta) * self.s0 + eta * S0 / W
-        self.s1 = (1 - eta) * self.s1 + eta * S1 / W
-        self.s2 = (1 - eta) * self.s2 + eta * S2 / W
+        eta = max((self.t + 2.0) ** -self.cfg.alpha, self.cfg.eta_min) * (W / n)
+        S0, S1, S2 = self._batch_stats(Z, M, sc.resp * w[:, None])
+        self.s0, self.s1, self.s2 = (_step(s, S, eta, W) for s, S in ((self.s0, S0), (self.s1, S1), (self.s2, S2)))
         self.t += 1
         self._mstep()
         if self.cfg.k is None:
@@ -338,8 +408,14 @@ class GaussianMixture:
         ok = (w >= 1.0) & (n_obs > 0)
         if not ok.any():
             return
-        per_dim = sc.maha.min(axis=1) / np.maximum(n_obs, 1)
-        limit = _chi2_isf(self.cfg.spawn_p, np.maximum(n_obs, 1)) / np.maximum(n_obs, 1)
+        if n_obs.min() == n_obs.max():      # every row has as many cells (the usual window)
+            dof = max(float(n_obs[0]), 1.0)
+            per_dim = sc.maha.min(axis=1) / dof
+            limit = _chi2_limit(self.cfg.spawn_p, dof)
+        else:
+            dof = np.maximum(n_obs, 1)
+            per_dim = sc.maha.min(axis=1) / dof
+            limit = _chi2_isf(self.cfg.spawn_p, dof) / dof
         excess = np.where(ok, per_dim / limit, 0.0)
         i = int(excess.argmax())
         if excess[i] <= 1.0:
