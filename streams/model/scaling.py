@@ -39,6 +39,8 @@ class MaskedStandardizer:
         self.count = np.zeros(0)
         self.mean = np.zeros(0)
         self.m2 = np.zeros(0)
+        self._scale: np.ndarray | None = None   # scale() until count/mean/m2 change
+        self._frozen = False                     # every dim frozen: update has nothing to learn
 
     def grow(self, d: int) -> None:
         extra = d - self.count.size
@@ -46,25 +48,35 @@ class MaskedStandardizer:
             self.count = np.concatenate([self.count, np.zeros(extra)])
             self.mean = np.concatenate([self.mean, np.zeros(extra)])
             self.m2 = np.concatenate([self.m2, np.zeros(extra)])
+            self._scale, self._frozen = None, False
 
     def ready(self) -> np.ndarray:
         return self.count >= self.min_obs
 
     def scale(self) -> np.ndarray:
-        std = np.sqrt(self.m2 / np.maximum(self.count, 1.0))
-        return np.maximum(std, np.maximum(self.rel_floor * np.abs(self.mean), self.abs_floor))
+        """Per-dimension scale; cached until the statistics change (frozen dims never do)."""
+        if self._scale is None:
+            std = np.sqrt(self.m2 / np.maximum(self.count, 1.0))
+            self._scale = np.maximum(std, np.maximum(self.rel_floor * np.abs(self.mean), self.abs_floor))
+        return self._scale
 
     def transform(self, X: np.ndarray, usable: np.ndarray) -> np.ndarray:
         """Standardize; cells not usable are 0 (the caller passes the mask along)."""
-        Z = (X - self.mean) / self.scale()
+        Z = np.subtract(X, self.mean)
+        Z /= self.scale()
         np.clip(Z, -self.clip, self.clip, out=Z)
-        return np.where(usable, Z, 0.0)
+        if not usable.all():
+            Z[~usable] = 0.0
+        return Z
 
     def update(self, X: np.ndarray, observed: np.ndarray) -> AffineChange | None:
         """Fold in the observed cells of the rows given; frozen dims are left alone."""
+        if self._frozen:
+            return None                      # the steady state: no dim learns any more
         learn = observed & (self.count < self.freeze_obs)
         nb = learn.sum(axis=0).astype(float)
         if not nb.any():
+            self._frozen = bool((self.count >= self.freeze_obs).all())
             return None
         was_ready = self.ready()
         old_mean, old_scale = self.mean.copy(), self.scale()
@@ -78,6 +90,7 @@ class MaskedStandardizer:
         self.mean = np.where(upd, self.mean + delta * nb / np.maximum(tot, 1.0), self.mean)
         self.m2 = np.where(upd, self.m2 + bm2 + delta ** 2 * self.count * nb / np.maximum(tot, 1.0), self.m2)
         self.count = tot
+        self._scale = None
         new_scale = self.scale()
         a = old_scale / new_scale
         b = (old_mean - self.mean) / new_scale
@@ -88,3 +101,4 @@ class MaskedStandardizer:
 
     def load(self, arrays: dict[str, np.ndarray]) -> None:
         self.count, self.mean, self.m2 = arrays["count"], arrays["mean"], arrays["m2"]
+        self._scale, self._frozen = None, False
