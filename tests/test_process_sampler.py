@@ -6,6 +6,7 @@ so CPU and fault assertions use generous lower bounds.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -71,6 +72,24 @@ def _comm(pid: int) -> str:
         return ""
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_clock_ns(pid: int) -> int:
+    """The process's CPU time from its POSIX CPU clock: the kernel's own count, not /proc's."""
+    clock = ctypes.c_int()
+    if _libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        raise OSError(ctypes.get_errno(), "clock_getcpuclockid")
+    return time.clock_gettime_ns(clock.value)
+
+
+def until_cpu_advances(pids, ns: float) -> None:
+    """Wait until each process has run `ns` more CPU time: on a loaded machine a wall-clock sleep promises none."""
+    start = {pid: cpu_clock_ns(pid) for pid in pids}
+    wait_until(lambda: all(cpu_clock_ns(pid) - start[pid] >= ns for pid in pids), timeout_s=30)
+
+
 def sampler(targets=None) -> ProcessSampler:
     return ProcessSampler("node-a", IdentityResolver(IdentityRules(), host="node-a"), targets=targets, poll_s=0.0)
 
@@ -94,19 +113,26 @@ def of_pid(batch, pid: int) -> dict[str, dict]:
 def test_counters_of_a_cpu_burner_and_a_page_toucher(children):
     burner, toucher = children(BURN, rank=0), children(TOUCH, rank=1)
     s = sampler()
-    first = s.sample(time.time_ns())
+    c1 = cpu_clock_ns(burner.pid)
+    t1 = time.time_ns()
+    first = s.sample(t1)
+    c1_after = cpu_clock_ns(burner.pid)
     validate(first)
     for pid in (burner.pid, toucher.pid):  # first read: gauges only
         assert set(of_pid(first, pid)) == {"proc.rss_bytes", "proc.threads"}
-    t0 = time.time_ns()
-    time.sleep(0.5)
-    second = s.sample(time.time_ns())
+    until_cpu_advances((burner.pid, toucher.pid), 0.2e9)
+    c2 = cpu_clock_ns(burner.pid)
+    t2 = time.time_ns()
+    second = s.sample(t2)
+    c2_after = cpu_clock_ns(burner.pid)
     validate(second)
     burn, touch = of_pid(second, burner.pid), of_pid(second, toucher.pid)
     wall = burn["proc.cpu_ns"]["interval_ns"]
-    assert wall >= 0.5e9 and wall <= time.time_ns() - t0 + 0.1e9
-    assert burn["proc.cpu_ns"]["value"] > 0.2 * wall
-    assert touch["proc.minflt"]["value"] > 100  # 2048 pages per 8 MiB pass
+    assert wall == t2 - t1  # the time between the two reads
+    # /proc counts in clock ticks, each of utime and stime rounded down: a few ticks of slack per read
+    assert c2 - c1_after - 4 * TICK_NS <= burn["proc.cpu_ns"]["value"] <= c2_after - c1 + 4 * TICK_NS
+    assert burn["proc.cpu_ns"]["value"] > 0.1e9
+    assert touch["proc.minflt"]["value"] > 100  # 2048 pages per 8 MiB pass; 0.2 s of CPU makes many passes
     for metric in ("proc.cpu_ns", "proc.minflt", "proc.majflt", "proc.vol_ctx", "proc.invol_ctx",
                    "proc.read_bytes", "proc.write_bytes"):
         assert burn[metric]["interval_ns"] == wall and burn[metric]["value"] >= 0
@@ -208,18 +234,26 @@ def test_without_root_io_denied_is_counted_once_and_the_rest_published(children)
 
 def test_features_from_real_samples_through_windows(children):
     burner, worker = children(BURN, rank=0), children(SLEEP, rank=0)
-    children(TOUCH, rank=1)
+    toucher = children(TOUCH, rank=1)
     s = sampler()
     assembler = WindowAssembler(window_s=3600.0, allowed_lateness_s=0, idle_close_s=3600)
+    stamps, cpu = [], []
     for i in range(4):
         if i:
-            time.sleep(0.25)
-        batch = s.sample(time.time_ns())
+            until_cpu_advances((burner.pid, toucher.pid), 0.05e9)
+        before = cpu_clock_ns(burner.pid) + cpu_clock_ns(worker.pid)
+        stamps.append(time.time_ns())
+        batch = s.sample(stamps[-1])
+        cpu.append((before, cpu_clock_ns(burner.pid) + cpu_clock_ns(worker.pid)))
         validate(batch)
         assembler.add(batch, None)
     windows = {w.key[3]: w for w in assembler.pop_closed(force=True) if w.key[1] == batch_job(batch, burner.pid)}
     rank0, rank1 = window_features(windows[0]), window_features(windows[1])
-    assert rank0["proc_cpu_cores"] > 0.2  # one busy loop, on a shared machine
+    # CPU seconds per second over the sampled span, against the kernel's CPU clocks over about that span
+    span_s = (stamps[-1] - stamps[0]) / 1e9
+    sampled_ns = rank0["proc_cpu_cores"] * span_s * 1e9
+    assert cpu[-1][0] - cpu[0][1] - 4 * TICK_NS <= sampled_ns <= cpu[-1][1] - cpu[0][0] + 4 * TICK_NS
+    assert rank0["proc_cpu_cores"] > 0
     assert rank0["proc_threads"] == 2  # the burner's and its sleeping sibling's threads, summed
     assert rank0["proc_rss_bytes"] > 2 * (1 << 20)
     assert rank1["proc_minflt_per_s"] > 100
