@@ -6,7 +6,15 @@
  * and one for return (one kernel grace period to detach, not one per probe).
  * Each probe's BPF cookie is its op's index, so one program serves every op
  * and copies nothing. Entry and return pair through a small per-thread stack;
- * counters are cumulative per (pid, op) and user space diffs them. */
+ * counters are cumulative per (pid, op) and user space diffs them.
+ *
+ * Family "collectives" (always on): where gloo's algorithms and the c10d
+ * caller block for peers (gloo UnboundBuffer::waitRecv/waitSend on gloo's
+ * worker threads, c10d::Work::wait on the caller). The cookie is the kind
+ * (0 recv, 1 send, 2 work); a kind never nests on one thread, so entry and
+ * return pair by (thread, kind). Calls and ns are cumulative per (pid, kind);
+ * the longest wait goes to comm_max, which user space reads and empties each
+ * sample (a per-interval maximum). */
 #include <uapi/linux/ptrace.h>
 #include "events.h"
 
@@ -21,13 +29,31 @@ struct torch_stack {
 BPF_HASH(ops, struct torch_op_key, struct torch_op_stats, 8192);
 BPF_TABLE("lru_hash", u32, struct torch_stack, stacks, 4096);  /* per thread */
 BPF_HASH(lost, u32, u64, 1024);                                /* per pid */
-BPF_PERCPU_ARRAY(hits, u64, 1);
+BPF_PERCPU_ARRAY(hits, u64, 2);  /* per family: 0 ops, 1 collectives */
 
-int op_entry(struct pt_regs *ctx) {
-    int zero = 0;
-    u64 *h = hits.lookup(&zero);
+/* family "collectives" (struct names are local: no other program shares them) */
+struct comm_key {
+    u32 pid;
+    u32 kind;       /* the attach cookie: index into the tracer's COMM_KINDS */
+};
+
+struct comm_stats {
+    u64 calls;
+    u64 ns;
+};
+
+BPF_HASH(comm_waits, struct comm_key, struct comm_stats, 4096);
+BPF_HASH(comm_max, struct comm_key, u64, 4096);
+BPF_TABLE("lru_hash", u64, u64, comm_starts, 8192);  /* (tid << 32 | kind) -> entry time */
+
+static __always_inline void count_hit(int family) {
+    u64 *h = hits.lookup(&family);
     if (h)
         (*h)++;
+}
+
+int op_entry(struct pt_regs *ctx) {
+    count_hit(0);
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = id, pid = id >> 32;
     struct torch_op_key k = {.pid = pid, .op = bpf_get_attach_cookie(ctx)};
@@ -52,10 +78,7 @@ int op_entry(struct pt_regs *ctx) {
 }
 
 int op_return(struct pt_regs *ctx) {
-    int zero = 0;
-    u64 *h = hits.lookup(&zero);
-    if (h)
-        (*h)++;
+    count_hit(0);
     u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = id;
@@ -74,5 +97,40 @@ int op_return(struct pt_regs *ctx) {
     struct torch_op_stats *s = ops.lookup(&k);
     if (s)
         __sync_fetch_and_add(&s->ns, now - st->f[d].ts);
+    return 0;
+}
+
+int comm_entry(struct pt_regs *ctx) {
+    count_hit(1);
+    u64 key = (bpf_get_current_pid_tgid() << 32) | (u32)bpf_get_attach_cookie(ctx);
+    u64 now = bpf_ktime_get_ns();
+    comm_starts.update(&key, &now);
+    return 0;
+}
+
+int comm_return(struct pt_regs *ctx) {
+    count_hit(1);
+    u64 now = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid();
+    u32 kind = bpf_get_attach_cookie(ctx);
+    u64 key = (id << 32) | kind;
+    u64 *start = comm_starts.lookup(&key);
+    if (!start)
+        return 0;                  /* entered before the probes were attached */
+    u64 d = now - *start;
+    comm_starts.delete(&key);
+    struct comm_key k = {.pid = id >> 32, .kind = kind};
+    struct comm_stats init = {};
+    struct comm_stats *s = comm_waits.lookup_or_try_init(&k, &init);
+    if (!s) {
+        lost.increment(k.pid);
+        return 0;
+    }
+    __sync_fetch_and_add(&s->calls, 1);
+    __sync_fetch_and_add(&s->ns, d);
+    u64 zero = 0;
+    u64 *m = comm_max.lookup_or_try_init(&k, &zero);
+    if (m && d > *m)
+        *m = d;                    /* racy between threads of a pid: a maximum, not a count */
     return 0;
 }

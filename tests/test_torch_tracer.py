@@ -1,13 +1,17 @@
-"""TorchTracer on a real PyTorch CPU training loop (torch 2.13.0 CPU build from the venv).
+"""TorchTracer on a real PyTorch CPU training loop (torch 2.13.0 CPU build from the venv),
+and its collective waits on a real 3-rank torch.distributed gloo job on loopback.
 
-The loop runs under Debian's /usr/bin/python3 with the venv's site-packages
-on PYTHONPATH (same 3.11 ABI); nothing is stubbed: real libtorch_python,
-real uprobes, real eBPF.
+The loops run under Debian's /usr/bin/python3 with the venv's site-packages
+on PYTHONPATH (same 3.11 ABI); nothing is stubbed: real libtorch_python and
+libtorch_cpu, real gloo over TCP, real uprobes, real eBPF.
 """
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import time
 from pathlib import Path
 
@@ -83,7 +87,7 @@ def test_duty_cycling_and_exit(tracer, train):
     p.wait()
     tracer.sample()
     assert p.pid not in tracer.pids
-    assert tracer.families() == {"ops": "expensive"}
+    assert tracer.families() == {"ops": "expensive", "collectives": "always"}
 
 
 def test_process_without_torch_is_refused_with_the_reason(tracer):
@@ -92,6 +96,98 @@ def test_process_without_torch_is_refused_with_the_reason(tracer):
         time.sleep(0.3)
         assert tracer.add_pid(p.pid) is False
         assert "libtorch_python.so" in tracer.unavailable[p.pid]
+        assert "collectives: " in tracer.unavailable[p.pid] and "libtorch_cpu.so" in tracer.unavailable[p.pid]
+        assert p.pid not in tracer.pids
+    finally:
+        p.kill()
+        p.wait()
+
+
+# One rank of a gloo job: all_reduce in a loop, rank SLOW sleeping before each one (a CPU-side straggler).
+GLOO_RANK = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import torch.distributed as dist
+    rank, world, port, go, steps, slow, sleep_s = sys.argv[1:]
+    rank, world, steps, slow, sleep_s = int(rank), int(world), int(steps), int(slow), float(sleep_s)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t = torch.ones(1 << 14)
+    dist.all_reduce(t)  # warm-up: connections made before the tracer counts
+    open(f"{go}.ready{rank}", "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    dist.barrier()
+    for _ in range(steps):
+        if rank == slow:
+            time.sleep(sleep_s)
+        dist.all_reduce(t)
+    open(f"{go}.done{rank}", "w").close()
+    time.sleep(60)
+""")
+GLOO_STEPS, SLOW_RANK, SLEEP_S = 20, 1, 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gloo_straggler_makes_its_peers_wait(tracer, tmp_path):
+    script, go = tmp_path / "gloo_rank.py", tmp_path / "go"
+    script.write_text(GLOO_RANK)
+    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], "GLOO_SOCKET_IFNAME": "lo"}
+    port = _free_port()
+    procs = [subprocess.Popen(["/usr/bin/python3", str(script), str(r), "3", str(port), str(go), str(GLOO_STEPS),
+                               str(SLOW_RANK), str(SLEEP_S)], env=env) for r in range(3)]
+    try:
+        for r in range(3):
+            wait_for(f"{go}.ready{r}")
+        for p in procs:
+            assert tracer.add_pid(p.pid), tracer.unavailable.get(p.pid)
+            assert tracer.family_unavailable[p.pid] == {}
+        tracer.sample()
+        hits0 = tracer.hits()["collectives"]
+        go.touch()
+        for r in range(3):
+            wait_for(f"{go}.done{r}")
+        got = rows(tracer.sample())
+        hits = tracer.hits()["collectives"] - hits0
+    finally:
+        stop_all(procs)
+    ns = {r: values(got, "torch.comm_wait_ns", p.pid) for r, p in enumerate(procs)}
+    calls = {r: values(got, "torch.comm_wait_calls", p.pid) for r, p in enumerate(procs)}
+    comm = {r: ns[r]["recv"] + ns[r]["send"] for r in ns}
+    print(f"comm wait ms {[round(comm[r] / 1e6) for r in comm]}, work wait ms "
+          f"{[round(ns[r]['work'] / 1e6) for r in ns]}, calls {calls}, "
+          f"probe hits per rank per step {hits / 3 / (GLOO_STEPS + 1):.1f}")
+    assert all(calls[r]["work"] == GLOO_STEPS + 1 for r in calls)  # every all_reduce and the barrier, once
+    assert all(calls[r]["recv"] > 0 and calls[r]["send"] > 0 for r in calls)
+    slept = GLOO_STEPS * SLEEP_S * 1e9
+    for peer in (0, 2):  # they wait for the sleeper each step; it finds their data ready
+        assert comm[peer] > 0.25 * slept
+        assert comm[SLOW_RANK] < 0.5 * comm[peer]
+        assert ns[SLOW_RANK]["work"] < 0.5 * ns[peer]["work"]
+    assert all(r["sample_frac"] == 1.0 for r in got if r["metric"].startswith("torch.comm_wait"))
+    assert hits <= 2 * sum(sum(c.values()) for c in calls.values()) + 200  # entry + return per wait, no more
+    assert hits / 3 / (GLOO_STEPS + 1) < 100  # a few dozen hits per collective: always-on is affordable
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build a library without the symbols")
+def test_libtorch_cpu_without_the_wait_symbols_gives_the_reason(tracer, tmp_path):
+    (tmp_path / "empty.c").write_text("int fleetscope_nothing(void) { return 0; }\n")
+    lib = tmp_path / "libtorch_cpu.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "empty.c")], check=True)
+    p = subprocess.Popen([sys.executable, "-c", f"import ctypes, time; ctypes.CDLL({str(lib)!r}); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while str(lib) not in Path(f"/proc/{p.pid}/maps").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert tracer.add_pid(p.pid) is False
+        why = tracer.unavailable[p.pid]
+        assert "exports none of" in why and "UnboundBuffer::waitRecv" in why and "c10d::Work::wait" in why
     finally:
         p.kill()
         p.wait()
