@@ -17,6 +17,8 @@ from streams.windows import MetricAgg, Window
 SYNC_APIS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize")
 MEMCPY_APIS = ("cudaMemcpy", "cudaMemcpyAsync")
 LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch", "cuLaunchKernel", "cuLaunchKernelEx")
+# gloo's transport waits for peers' data (torch.comm_wait_* devices); "work" is c10d's Work::wait, the caller's
+COMM_WAITS = ("recv", "send")
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "Send", "Recv")
 # torch op classes by name fragment (first match wins)
 TORCH_CLASSES = (("matmul", ("mm", "matmul", "linear", "addmm", "bmm", "conv", "einsum", "baddbmm")),
@@ -158,16 +160,24 @@ def _torch_class(op: str) -> str:
 def torch_features(w: Window) -> dict[str, float]:
     if "torch" not in w.sources:
         return {}
-    ops = _deltas(w, "torch", "torch.ops")
-    if not ops:
-        return {}
     span = _window_s(w)
-    out = {"torch_ops_per_s": sum(a.delta_sum for a in ops) / span}
-    by_class = {"matmul": 0.0, "elementwise": 0.0, "other": 0.0}
-    for agg in ops:
-        by_class[_torch_class(agg.device)] += agg.delta_sum
-    for cls, n in by_class.items():
-        out[f"torch_{cls}_ops_per_s"] = n / span
-    op_ns = _sum(w, "torch", "torch.op_ns")
-    _put(out, "torch_op_time_frac", None if op_ns is None else op_ns / 1e9 / span)
+    out: dict[str, float] = {}
+    ops = _deltas(w, "torch", "torch.ops")
+    if ops:
+        out["torch_ops_per_s"] = sum(a.delta_sum for a in ops) / span
+        by_class = {"matmul": 0.0, "elementwise": 0.0, "other": 0.0}
+        for agg in ops:
+            by_class[_torch_class(agg.device)] += agg.delta_sum
+        for cls, n in by_class.items():
+            out[f"torch_{cls}_ops_per_s"] = n / span
+        op_ns = _sum(w, "torch", "torch.op_ns")
+        _put(out, "torch_op_time_frac", None if op_ns is None else op_ns / 1e9 / span)
+    # Collective waits (gloo/c10d, family "collectives"): threads waiting for peers, on average over the
+    # window. The tracer sends a measured 0 while its probes are attached; no rows means no probes (masked).
+    comm_ns = _sum(w, "torch", "torch.comm_wait_ns", COMM_WAITS)
+    _put(out, "torch_comm_wait_frac", None if comm_ns is None else comm_ns / 1e9 / span)
+    comm_n = _sum(w, "torch", "torch.comm_wait_calls", COMM_WAITS)
+    _put(out, "torch_comm_waits_per_s", None if comm_n is None else comm_n / span)
+    work_ns = _sum(w, "torch", "torch.comm_wait_ns", ("work",))
+    _put(out, "torch_work_wait_frac", None if work_ns is None else work_ns / 1e9 / span)
     return out

@@ -86,3 +86,34 @@ def test_nccl_bandwidth_per_collective_and_python_gc_share():
     assert f["python_gc_frac"] == pytest.approx(0.15)
     assert f["python_gc_per_s"] == pytest.approx(30)
     assert f["python_top_func_share"] == pytest.approx(0.9)
+
+
+def test_torch_collective_waits_are_shares_and_rates_and_masked_without_the_probes():
+    ticks = [traced_batch("torch", T0 + (i + 1) * TICK - 1, [
+        ("torch.comm_wait_calls", "recv", 8, TICK), ("torch.comm_wait_ns", "recv", 150e6, TICK),
+        ("torch.comm_wait_calls", "send", 8, TICK), ("torch.comm_wait_ns", "send", 50e6, TICK),
+        ("torch.comm_wait_calls", "work", 1, TICK), ("torch.comm_wait_ns", "work", 225e6, TICK),
+        ("torch.comm_wait_max_ns", "recv", 40e6, 0)]) for i in range(4)]
+    f = one_window(ticks)
+    assert f["torch_comm_wait_frac"] == pytest.approx(0.8)  # 4 x 200 ms of recv+send waits in 1 s
+    assert f["torch_work_wait_frac"] == pytest.approx(0.9)
+    assert f["torch_comm_waits_per_s"] == pytest.approx(64)
+    assert "torch_ops_per_s" not in f  # the ops family sat this window out: masked, the waits still count
+
+    # attached, and no collective ran: the tracer's measured zeros give 0, present
+    idle = one_window([traced_batch("torch", T0 + TICK, [
+        ("torch.comm_wait_calls", k, 0, TICK) for k in ("recv", "send", "work")] + [
+        ("torch.comm_wait_ns", k, 0, TICK) for k in ("recv", "send", "work")])])
+    assert idle["torch_comm_wait_frac"] == 0.0 and idle["torch_work_wait_frac"] == 0.0
+    assert idle["torch_comm_waits_per_s"] == 0.0
+
+    # no libtorch_cpu / no gloo symbols: only op rows arrive, and the wait features are absent, not 0
+    ops_only = one_window([traced_batch("torch", T0 + TICK, [("torch.ops", "linear", 100, TICK),
+                                                             ("torch.op_ns", "linear", 1e6, TICK)])])
+    assert ops_only["torch_ops_per_s"] == pytest.approx(100)
+    assert not {"torch_comm_wait_frac", "torch_work_wait_frac", "torch_comm_waits_per_s"} & set(ops_only)
+    # c10d without gloo: Work::wait alone
+    work_only = one_window([traced_batch("torch", T0 + TICK, [("torch.comm_wait_calls", "work", 2, TICK),
+                                                              ("torch.comm_wait_ns", "work", 1e8, TICK)])])
+    assert work_only["torch_work_wait_frac"] == pytest.approx(0.1)
+    assert "torch_comm_wait_frac" not in work_only and "torch_comm_waits_per_s" not in work_only
