@@ -122,3 +122,45 @@ def test_governor_keeps_a_hot_real_uprobe_inside_budget():
     # unmeasured period runs at first_duty, so allow twice the budget over a 10 s run
     assert probe_share < 0.02
     assert with_governor < 0.25 * always_on
+
+
+def test_a_busy_tracer_defers_its_sample_and_never_blocks_the_agent_tick():
+    """Attaching can compile a BPF program for seconds; the tick must not wait behind it (stand-in tracers:
+    this is the manager's locking, not a probe)."""
+    import threading
+    import time
+
+    class SlowAttach:
+        def __init__(self):
+            self.attaching, self.release, self.samples = threading.Event(), threading.Event(), 0
+
+        def families(self):
+            return {}
+
+        def add_pid(self, pid):
+            self.attaching.set()
+            self.release.wait(10)
+            return True
+
+        def sample(self, now_ns):
+            self.samples += 1
+            return None
+
+    class Quick(SlowAttach):
+        def add_pid(self, pid):
+            return True
+
+    cfg = Config(trace_pids=("1",), trace_auto=False)
+    slow, quick = SlowAttach(), Quick()
+    m = TracerManager(cfg, tracers={"slow": slow, "quick": quick}, hit_cost_ns=6000.0)
+    t = threading.Thread(target=m.poll_targets)
+    t.start()
+    assert slow.attaching.wait(5)
+    t0 = time.monotonic()
+    m.sample(0)
+    assert time.monotonic() - t0 < 1.0  # not behind the 10 s attach
+    assert (slow.samples, quick.samples, m.stats()["trace_samples_deferred"]) == (0, 1, 1)
+    slow.release.set()
+    t.join(5)
+    m.sample(0)
+    assert (slow.samples, quick.samples, m.stats()["trace_samples_deferred"]) == (1, 2, 1)
