@@ -12,7 +12,8 @@ from streams.proc_features import proc_features
 from streams.trace_features import cuda_features, nccl_features, python_features, torch_features
 from streams.windows import Window
 
-FEATURE_VERSION = 3  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*)
+FEATURE_VERSION = 4  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*);
+#                      4: gloo collective waits (torch_comm_wait_frac, torch_work_wait_frac, torch_comm_waits_per_s)
 BUILDERS = (host_features, gpu_features, kernel_features, proc_features, cuda_features, nccl_features,
             python_features, torch_features)
 

@@ -87,9 +87,11 @@ CASES: dict[str, tuple[list, list]] = {
          ({"cpu_busy_frac": 0.95}, {"cpu_busy_frac": 0.2})],            # busy by itself, nobody waiting
     ),
     "straggler_rank": (
-        [({"nccl_time_frac": 0.05}, {"nccl_time_frac": -6, "nccl_lat_p50_ns": -4, "cpu_busy_frac": 2.5})],
+        [({"nccl_time_frac": 0.05}, {"nccl_time_frac": -6, "nccl_lat_p50_ns": -4, "cpu_busy_frac": 2.5}),
+         ({"torch_comm_wait_frac": 0.04}, {"torch_comm_wait_frac": -9})],   # a CPU (gloo) job
         [({"nccl_time_frac": 0.25}, {"nccl_time_frac": -2}),            # within peer noise
-         ({"nccl_time_frac": 0.6}, {"nccl_time_frac": 5})],            # waits more: a peer of the straggler
+         ({"nccl_time_frac": 0.6}, {"nccl_time_frac": 5}),             # waits more: a peer of the straggler
+         ({"torch_comm_wait_frac": 0.95}, {"torch_comm_wait_frac": 4})],  # the same in a gloo job
     ),
     "slow_degraded_link": (
         [({"nccl_algbw_gbps": 40, "nccl_lat_p99_ns": 3e7, "nccl_time_frac": 0.55},

@@ -56,8 +56,11 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("cuda_memcpy_*", "interconnect"),
     # CUDA runtime API: launches, syncs, errors
     ("cuda_*", "cuda_runtime"),
-    # collectives
+    # collectives (gloo's waits for peers, seen through libtorch_cpu, are the CPU jobs' NCCL)
     ("nccl_*", "nccl"),
+    ("torch_comm_wait_frac", "nccl"),
+    ("torch_comm_waits_per_s", "nccl"),
+    ("torch_work_wait_frac", "nccl"),
     # framework
     ("python_*", "framework"),
     ("torch_*", "framework"),
