@@ -187,3 +187,65 @@ def test_streaming_1e5_vectors_keeps_memory_bounded():
     assert total.max() < 64 * 1024, total.max()
     # and the process itself did not grow while 9e4 more vectors streamed through (KiB)
     assert peak_end - peak_100 < 8 * 1024, peak_end - peak_100
+
+
+@pytest.mark.parametrize("cov", ["diag", "full"])
+def test_cached_density_terms_follow_every_parameter_change(cov):
+    """score reuses per-M-step terms (1/var, log var, factorizations): after each kind of
+    update it must equal a fresh mixture loaded with the same statistics."""
+    X, _, _ = mixture(3000)
+    M = np.random.default_rng(6).random(X.shape) < 0.8
+    Z = np.where(M, X, 0.0)
+    g = GaussianMixture(GMMConfig(covariance=cov, k=None, eta_min=0.0), D)
+
+    def same_as_fresh():
+        fresh = GaussianMixture(GMMConfig(covariance=cov, k=None), D)
+        fresh.load(*g.state())
+        for mask in (M[:50], np.ones_like(M[:50])):
+            a, b = g.score(Z[:50], mask), fresh.score(Z[:50], mask)
+            np.testing.assert_allclose(a.nll, b.nll, rtol=1e-12)
+            np.testing.assert_allclose(g.contributions(Z[:50], mask, a), fresh.contributions(Z[:50], mask, b),
+                                       rtol=1e-12)
+
+    for i in range(0, 3000, 100):
+        g.score(Z[i:i + 100], M[i:i + 100])          # fill the caches, then move the parameters
+        g.partial_fit(Z[i:i + 100], M[i:i + 100])
+    same_as_fresh()
+    g.score(Z[:50], M[:50])
+    g.affine(np.full(D, 1.5), np.full(D, 0.5), np.arange(D) < 4, np.arange(D) == 7)
+    same_as_fresh()
+    g.score(Z[:50], M[:50])
+    g.grow(D + 2)
+    assert g.score(np.zeros((3, D + 2)), np.ones((3, D + 2), bool)).nll.shape == (3,)
+
+
+def test_feature_index_layouts_orders_and_odd_values():
+    fi = FeatureIndex()
+    rows = [(r, {"a": 1.0 + r, "b": 2.0, "c": 3.0}) for r in range(4)]
+    ranks, X, M = fi.matrix(rows)                       # one layout, in dimension order
+    assert ranks.tolist() == [0, 1, 2, 3] and X[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0] and M.all()
+    X[0, 0] = -1.0                                      # the caller owns X
+    _, X2, _ = fi.matrix([(0, {"c": 3.0, "b": 2.0, "a": 1.0}), (1, {"c": 6.0, "b": 5.0, "a": 4.0})])
+    assert X2.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]    # one layout, permuted
+    _, X3, M3 = fi.matrix([(0, {"a": "7.5", "b": 1, "c": True}), (1, {"b": np.float32(0.5), "a": None})])
+    assert X3[0].tolist() == [7.5, 1.0, 1.0] and X3[1, 1] == 0.5
+    assert M3.tolist() == [[True, True, True], [False, True, False]]   # None: not a measurement
+    assert fi.nonfinite_values == 1
+
+
+def test_frozen_standardizer_skips_learning_until_a_new_feature_arrives():
+    from streams.model.scaling import MaskedStandardizer
+    s = MaskedStandardizer(min_obs=2, freeze_obs=4)
+    s.grow(2)
+    X = np.array([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]])
+    assert s.update(X, np.ones_like(X, bool)) is not None
+    before = s.transform(X, np.ones_like(X, bool))
+    assert s.update(X + 5.0, np.ones_like(X, bool)) is None         # frozen: nothing learned
+    np.testing.assert_array_equal(s.transform(X, np.ones_like(X, bool)), before)
+    s.grow(3)
+    X3 = np.hstack([X, np.full((4, 1), 7.0)])
+    change = s.update(X3, np.ones_like(X3, bool))                   # the new dim still learns
+    assert change is not None and change.fresh.tolist() == [False, False, True]
+    assert s.count.tolist() == [4.0, 4.0, 4.0] and s.mean[2] == 7.0
+    Z = s.transform(X3, np.array([[True, False, True]] * 4))
+    assert (Z[:, 1] == 0).all() and np.allclose(Z[:, 0], before[:, 0])

@@ -182,7 +182,7 @@ class GaussianMixture:
             mp = self.means * prec
             mmp = self.means * mp
             lv = LOG_2PI + np.log(self.var)
-            self._terms = (prec.T.copy(), mp.T.copy(), mmp.T.copy(), lv.T.copy(),
+            self._terms = (prec.T, mp.T, mmp.T, lv.T,
                            mmp.sum(axis=1), lv.sum(axis=1), lv,
                            np.log(np.maximum(self.weights, 1e-300)))
         return self._terms
