@@ -68,8 +68,8 @@ def test_agent_to_clickhouse_features_match_proc_stat(pipeline_cfg, streams_work
     assert total_sum > 0
     # the agent's deltas cover a sub-span of the test's own /proc/stat reading
     assert busy_sum / total_sum == pytest.approx((busy1 - busy0) / (total1 - total0), abs=0.15)
-    # nothing the agent sent is missing from the store
-    raw_rows = worker.query("SELECT count() FROM raw_metrics WHERE job = {h:String}", {"h": pipeline_cfg.host}).rows[0][0]
+    # nothing the agent sent is missing from the store (its rank processes' proc rows carry their own jobs)
+    raw_rows = worker.query("SELECT count() FROM raw_metrics WHERE host = {h:String}", {"h": pipeline_cfg.host}).rows[0][0]
     assert raw_rows == agent.publisher.stats.events_sent
     assert agent.publisher.stats.dropped_events == 0
 
@@ -130,7 +130,7 @@ def test_killed_worker_restarts_without_losing_or_duplicating_feature_rows(pipel
 
     def settled():
         s = second.stats()
-        raw = second.query("SELECT count() FROM raw_metrics WHERE job = {h:String}", {"h": host}).rows[0][0]
+        raw = second.query("SELECT count() FROM raw_metrics WHERE host = {h:String}", {"h": host}).rows[0][0]
         return s["open_windows"] == 0 and s["unacked_messages"] == 0 and raw == sent and raw
 
     second.wait_for(settled, 60, "the restarted worker to catch up")
