@@ -50,7 +50,7 @@ import numpy as np
 from scipy.stats import norm
 
 LOG_2PI = float(np.log(2 * np.pi))
-CHOL_KEPT = 256     # full covariance: factorizations kept per M-step (component x mask pattern)
+CHOL_BYTES = 4 << 20    # full covariance: factorizations kept per M-step (component x mask pattern)
 
 
 def _logsumexp_rows(a: np.ndarray) -> np.ndarray:
@@ -171,6 +171,7 @@ class GaussianMixture:
             self.var = np.maximum(self.s2 / s0[:, None] - self.means ** 2, floor)
         self._terms = None      # per-parameter terms of the density, rebuilt on first use
         self._chol = {}         # full: (component, observed dims) -> (L^-1, log|Sigma_oo|)
+        self._chol_bytes = 0
 
     def _diag_terms(self) -> tuple[np.ndarray, ...]:
         """Diagonal density terms that depend only on the parameters, computed once per M-step
@@ -209,8 +210,10 @@ class GaussianMixture:
             sub = self.cov[k][np.ix_(o, o)]
             L = np.linalg.cholesky(sub + 1e-9 * np.eye(o.size))
             hit = np.linalg.inv(L), 2.0 * float(np.log(np.diagonal(L)).sum())
-            if len(self._chol) >= CHOL_KEPT:
+            self._chol_bytes += hit[0].nbytes
+            if self._chol_bytes > CHOL_BYTES:      # many mask patterns: bounded, start over
                 self._chol.clear()
+                self._chol_bytes = hit[0].nbytes
             self._chol[key] = hit
         return hit
 
@@ -500,6 +503,8 @@ class GaussianMixture:
         self._mstep()
 
     def nbytes(self) -> int:
+        """The model's arrays. Not counted: the per-M-step caches rebuilt on use (diag: four
+        K x D term arrays; full: factorizations, at most CHOL_BYTES)."""
         arrays = [self.s0, self.s1, self.s2, self.weights, self.means, self.var]
         if self.full:
             arrays.append(self.cov)
