@@ -58,6 +58,8 @@ def test_two_ranks_traced_memcpy_stall_and_leak_on_one_rank(tmp_path):
         pids = run.rank_pids(timeout_s=30)
         env = dict(kv.split("=", 1) for kv in open(f"/proc/{pids[1]}/environ").read().split("\0") if "=" in kv)
         assert (env["RANK"], env["WORLD_SIZE"], env["TORCHELASTIC_RUN_ID"]) == ("1", "2", "standin-test")
+        # every rank behind its own pass-through relay (one path for all); faults drive rank 1's
+        assert len(run.relays) == 2 and run.relay is run.relays[1]
         for pid in pids.values():
             assert cuda.add_pid(pid) and nccl.add_pid(pid), f"pid {pid} does not map the stand-ins"
         run.go()

@@ -29,9 +29,11 @@ Faults come from the same per-rank control file as ddp_train.py
      "slow_collective": {"extra_ms": 20}}
 A watcher thread in the launching process polls those files (every 100 ms) and rewrites
 the rank's stand-in control file. The `link_delay` fault needs no knob: with 2+ ranks a
-`benchmarks.eval.relay.DelayRelay` (pass-through until the fault) sits in front of rank
-`relay_rank` (default 1): the previous rank's ring connection to it goes through the relay,
-which `launch()` exposes as `.relay` for `faults.LinkDelay`.
+`benchmarks.eval.relay.DelayRelay` (pass-through until the fault) sits in front of every
+rank, so every ring connection takes the same path (a relay in front of one rank alone made
+that rank differ from its peers before any fault: its bytes arrived in more, smaller pieces,
+3x the voluntary context switches). The one in front of `relay_rank` (default 1) is exposed
+as `.relay` for `faults.LinkDelay`.
 
     python -m benchmarks.workloads.gpu_standin --plan
     python -m benchmarks.workloads.gpu_standin --run --ranks 2 --duration-s 10
@@ -253,6 +255,7 @@ class StandinLaunch:
     work_dir: Path
     watcher: KnobWatcher
     relay: object | None = None  # benchmarks.eval.relay.DelayRelay in front of relay_rank, or None
+    relays: list = field(default_factory=list)  # one in front of every rank (relay among them)
 
     @property
     def proc(self) -> _Ranks:
@@ -313,8 +316,8 @@ class StandinLaunch:
             if p.stdout:
                 p.stdout.close()
         self.watcher.stop()
-        if self.relay is not None:
-            self.relay.stop()
+        for relay in self.relays:
+            relay.stop()
 
     def cleanup(self) -> None:
         self.stop()
@@ -359,19 +362,20 @@ def launch(ranks: int, *, env: dict | None = None, log_path: Path | None = None,
     watcher = KnobWatcher(Path(control) if control else None, stub_files, cfg, ranks, ring)
     watcher.poll_once()
     ports = [free_port() for _ in range(ranks)]
-    relay = None
+    relays: list = []
     if ring and relay_rank is not None:
         if not 0 <= relay_rank < ranks:
             raise ValueError(f"relay_rank {relay_rank} is not a rank of {ranks}")
         from benchmarks.eval.relay import DelayRelay
-        relay = DelayRelay(("127.0.0.1", ports[relay_rank])).start()
+        relays = [DelayRelay(("127.0.0.1", ports[r])).start() for r in range(ranks)]
+    relay = relays[relay_rank] if relays else None
     master_port = free_port()
     log = open(log_path, "ab")
     procs = []
     try:
         for r in range(ranks):
             nxt = (r + 1) % ranks
-            host, port = relay.address if relay is not None and nxt == relay_rank else ("127.0.0.1", ports[nxt])
+            host, port = relays[nxt].address if relays else ("127.0.0.1", ports[nxt])
             rank_env = {**full_env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks),
                         "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(master_port), "TORCHELASTIC_RUN_ID": run_id,
@@ -387,13 +391,13 @@ def launch(ranks: int, *, env: dict | None = None, log_path: Path | None = None,
     except BaseException:
         for p in procs:
             p.kill()
-        if relay is not None:
-            relay.stop()
+        for r in relays:
+            r.stop()
         raise
     finally:
         log.close()
     watcher.start()
-    return StandinLaunch(procs, run_id, log_path, result_dir, work, watcher, relay)
+    return StandinLaunch(procs, run_id, log_path, result_dir, work, watcher, relay, relays)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
