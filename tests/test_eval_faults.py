@@ -198,3 +198,19 @@ def test_relay_bandwidth_cap_paces_bytes(echo_server):
     with DelayRelay(echo_server, bandwidth_bps=40e6) as relay:  # 5 MB/s each way
         _, took = round_trip(relay.address, os.urandom(1 << 20))
     assert took > 0.18, f"1 MiB at 5 MB/s should take about 0.2 s, took {took:.3f}"
+
+
+def test_memory_pressure_runs_only_where_a_limit_reaches_the_rank():
+    """Without moving charges (cgroup v2; v1 on recent kernels) a limit squeezes the hog alone:
+    the scenario is skipped with that reason rather than scored as a miss."""
+    from benchmarks.eval.cgroups import memory_charges_move
+    from benchmarks.eval.runner import ScenarioSkipped, check_requirements
+    from benchmarks.eval.scenario import load_scenario
+    s = load_scenario(Path(__file__).resolve().parents[1] / "benchmarks/scenarios/memory_pressure.yaml")
+    why = memory_charges_move()
+    if why:
+        with pytest.raises(ScenarioSkipped, match="fault would do nothing"):
+            check_requirements(s)
+    else:
+        check_requirements(s)
+    assert not [d for d in fault_dirs("memory", os.getpid()) if "charge-move-probe" in d.name]

@@ -124,3 +124,25 @@ class FaultCgroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def memory_charges_move() -> str | None:
+    """None if a process moved into a new memory cgroup takes its charged pages along; else why not.
+
+    A memory limit on a fault group presses on a process only through pages charged to that
+    group. cgroup v2 never moves charges with a process, and v1 does only through
+    memory.move_charge_at_immigrate, which recent kernels refuse (deprecated). Without the
+    move, the rank's pages stay charged where they were: the limit squeezes the hog alone and
+    the rank runs on untouched (measured here on a 6.18 kernel: no change in its faults or
+    steps), so the fault would be a no-op reported as a missed detection."""
+    root, version = controller_root("memory")
+    if version == 2:
+        return "cgroup v2 does not move a process's charged memory into a new group"
+    probe = FaultCgroup("memory", "charge-move-probe", os.getpid())
+    try:
+        probe.write("memory.move_charge_at_immigrate", "3")
+    except OSError as e:
+        return f"this kernel refuses memory.move_charge_at_immigrate ({e.strerror})"
+    finally:
+        probe.close()
+    return None

@@ -55,7 +55,7 @@ class RunOptions:
 
 
 def check_requirements(s: Scenario) -> None:
-    from benchmarks.eval.cgroups import CgroupUnavailable, controller_root
+    from benchmarks.eval.cgroups import CgroupUnavailable, controller_root, memory_charges_move
     for req in s.requires:
         if req == "root" and os.geteuid() != 0:
             raise ScenarioSkipped("needs root (cgroups, pinning, eBPF)")
@@ -64,6 +64,11 @@ def check_requirements(s: Scenario) -> None:
                 controller_root(req.split("_", 1)[1])
             except CgroupUnavailable as e:
                 raise ScenarioSkipped(str(e)) from None
+            if req == "cgroup_memory":
+                why = memory_charges_move()
+                if why:
+                    raise ScenarioSkipped(f"{why}, so a memory limit would not reach the rank's pages "
+                                          "and the fault would do nothing")
         if req == "gpu_standin":
             from benchmarks.eval import standin_workload
             why = standin_workload.unavailable()
