@@ -65,6 +65,17 @@ def test_exact_counts_when_attached_before_the_calls(tracer, spawn, tmp_path):
     assert tracer.hits()["functions"] >= LEAF + MIDDLE and tracer.hits()["gc"] >= 2 * GC
 
 
+def test_a_process_that_did_not_collect_reports_a_measured_zero(tracer, spawn, tmp_path):
+    p = spawn(tmp_path / "never", 30)  # waits for a file that never comes: no calls, no GC
+    time.sleep(0.3)
+    assert tracer.add_pid(p.pid), tracer.unavailable.get(p.pid)
+    tracer.sample()
+    time.sleep(0.3)
+    got = rows(tracer.sample())
+    # a row, whatever the interpreter's own housekeeping collected (usually 0); before, no row at all
+    assert set(values(got, "python.gc_count", p.pid)) == {"all"} == set(values(got, "python.gc_ns", p.pid))
+
+
 def test_attached_mid_run_and_process_exit(tracer, spawn, tmp_path):
     go = tmp_path / "go"
     go.touch()

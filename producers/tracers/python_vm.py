@@ -169,7 +169,12 @@ class PythonTracer(LinkedFamilyTracer):
             lost.update({(path, k.value): v.value for k, v in bpf[b"lost"].items()})
         rows = self._function_rows(funcs, interval, frac["functions"])
         for metric, name, cur in (("python.gc_count", "gc_count", gc_count), ("python.gc_ns", "gc_ns", gc_ns)):
-            rows += [(metric, "all", d, k[1], interval, frac["gc"]) for k, d in diff(self._prev[name], cur).items()]
+            changed = diff(self._prev[name], cur)
+            if frac["gc"] > 0:  # attached: a traced process that did not collect measured a 0, not nothing;
+                # without it a job's quiet ranks are masked and the one collecting has no peers to differ from
+                for pid, state in self.pids.items():
+                    changed.setdefault((state[0], pid), 0)
+            rows += [(metric, "all", d, k[1], interval, frac["gc"]) for k, d in changed.items()]
             self._prev[name] = cur
         rows += [("python.lost_events", "all", d, k[1], interval, 1.0)
                  for k, d in diff(self._prev["lost"], lost).items()]
