@@ -52,7 +52,8 @@ class DSpot:
 
     # ------------------------------------------------------------ helpers
     def _local(self) -> float:
-        return float(self.recent.values().mean()) if self.depth and self.recent.count else 0.0
+        # the mean needs no order: the stored slots as they lie, not values()'s ordered copy
+        return float(self.recent.buf[:self.recent.count].mean()) if self.depth and self.recent.count else 0.0
 
     def _fit(self) -> None:
         y = self.peaks.values()
