@@ -166,6 +166,22 @@ def test_rescan_at_most_every_poll_s(children):
     assert of_pid(s.sample(), late.pid)
 
 
+def test_reads_at_most_every_min_interval_whatever_the_tick(children):
+    rank = children(SLEEP, rank=0)
+    now = [1000.0]
+    s = ProcessSampler("node-a", IdentityResolver(host="node-a"), targets=TargetSpec(pids=(rank.pid,)),
+                       clock=lambda: now[0], min_interval_s=1.0)
+    assert of_pid(s.sample(), rank.pid)
+    for _ in range(8):  # 100 ms ticks: nothing read, nothing sent
+        now[0] += 0.1
+        assert s.sample() is None
+    now[0] += 0.1  # 0.9 s: a drift-free 1 s tick a little early still reads
+    assert of_pid(s.sample(), rank.pid)
+    from fleetscope.config import Config, ConfigError
+    with pytest.raises(ConfigError, match="proc_interval_s"):
+        Config(proc_interval_s=0.01).validate()
+
+
 def test_process_exiting_between_samples_is_dropped_and_counted(children):
     gone, stays = children(SLEEP, rank=0), children(SLEEP, rank=1)
     s = sampler(TargetSpec(pids=(gone.pid, stays.pid)))
