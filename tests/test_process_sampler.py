@@ -180,6 +180,9 @@ def test_reads_at_most_every_min_interval_whatever_the_tick(children):
     from fleetscope.config import Config, ConfigError
     with pytest.raises(ConfigError, match="proc_interval_s"):
         Config(proc_interval_s=0.01).validate()
+    # never less than twice per window: a window without proc rows would mask those features
+    assert ProcessSampler.from_config(Config(window_s=0.5), IdentityResolver(host="node-a")).min_interval_s == 0.25
+    assert ProcessSampler.from_config(Config(window_s=10), IdentityResolver(host="node-a")).min_interval_s == 1.0
 
 
 def test_process_exiting_between_samples_is_dropped_and_counted(children):
