@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from producers.process_sampler import Vanished, parse_stat, read_file
+
 EXPENSIVE, ALWAYS = "expensive", "always"
 
 
@@ -102,15 +104,10 @@ class OverheadGovernor:
 
 def process_cpu_seconds(pids) -> float:
     """Total user+system CPU seconds of the processes (all their threads); gone ones count 0."""
-    import os
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    total_ns = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+            total_ns += parse_stat(read_file(f"/proc/{pid}/stat"))[1]
+        except (OSError, Vanished):
             continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
-    return total / tick
+    return total_ns / 1e9
