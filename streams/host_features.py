@@ -26,12 +26,6 @@ def _rate(w: Window, metric: str, device: str = "all") -> float | None:
     return agg.delta_sum / (agg.interval_ns / 1e9) if agg else None
 
 
-def _rate_over_devices(w: Window, metric: str, skip=("lo",)) -> float | None:
-    rates = [agg.delta_sum / (agg.interval_ns / 1e9)
-             for agg in w.devices("host", metric) if agg.device not in skip and agg.interval_ns > 0]
-    return sum(rates) if rates else None
-
-
 def _cpu(w: Window, out: dict) -> None:
     secs = {s: _delta(w, f"cpu.{s}") for s in CPU_STATES}
     if any(v is None for v in secs.values()):
@@ -77,7 +71,7 @@ def _io(w: Window, out: dict) -> None:
     for metric, name in (("irq.cpu_total", "irq_per_s"), ("net.rx_bytes", "net_rx_bytes_per_s"),
                          ("net.tx_bytes", "net_tx_bytes_per_s"), ("disk.read_bytes", "disk_read_bytes_per_s"),
                          ("disk.write_bytes", "disk_write_bytes_per_s")):
-        rate = _rate_over_devices(w, metric)
+        rate = w.summed_rate("host", metric, skip=("lo",))
         if rate is not None:
             out[name] = rate
     rate = _rate(w, "cpu.context_switches")

@@ -22,18 +22,12 @@ RATES = (("proc.cpu_ns", "proc_cpu_cores", 1e-9),
 GAUGES = (("proc.rss_bytes", "proc_rss_bytes"), ("proc.threads", "proc_threads"))
 
 
-def _rate(w: Window, metric: str) -> float | None:
-    """Sum over the rank's processes of each one's rate; None when no process sent a delta."""
-    rates = [a.delta_sum / (a.interval_ns / 1e9) for a in w.devices("proc", metric) if a.interval_ns > 0]
-    return sum(rates) if rates else None
-
-
 def proc_features(w: Window) -> dict[str, float]:
     if "proc" not in w.sources:
         return {}
     out: dict[str, float] = {}
     for metric, name, scale in RATES:
-        rate = _rate(w, metric)
+        rate = w.summed_rate("proc", metric)
         if rate is not None:
             out[name] = rate * scale
     for metric, name in GAUGES:

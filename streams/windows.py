@@ -73,6 +73,13 @@ class Window:
         found = self._index().get((source, metric), ())
         return (found,) if type(found) is MetricAgg else found
 
+    def summed_rate(self, source: str, metric: str, skip: tuple[str, ...] = ()) -> float | None:
+        """Sum over the metric's devices of each one's deltas per second of the time they cover
+        (a device that started mid-window counts at its own rate); None when none sent a delta."""
+        rates = [a.delta_sum / (a.interval_ns / 1e9) for a in self.devices(source, metric)
+                 if a.interval_ns > 0 and a.device not in skip]
+        return sum(rates) if rates else None
+
 
 @dataclass
 class WindowStats:

@@ -135,7 +135,7 @@ def memory_charges_move() -> str | None:
     move, the rank's pages stay charged where they were: the limit squeezes the hog alone and
     the rank runs on untouched (measured here on a 6.18 kernel: no change in its faults or
     steps), so the fault would be a no-op reported as a missed detection."""
-    root, version = controller_root("memory")
+    _, version = controller_root("memory")
     if version == 2:
         return "cgroup v2 does not move a process's charged memory into a new group"
     probe = FaultCgroup("memory", "charge-move-probe", os.getpid())
