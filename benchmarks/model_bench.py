@@ -9,7 +9,8 @@ features, K=8, diagonal covariance. The same run times, on the same vectors:
    comparison detector): the ratios say what vectorizing buys;
  - the whole facade, JobModel.process_window, on dict rows (100 ranks x 64
    features a window; gmm + peer, the default rule's detectors): feature
-   mapping, standardization, scoring, thresholds, learning, top-k output;
+   mapping, standardization, scoring, thresholds, learning, WindowScore output
+   (top-k features are ranked when a row's dict is read: only flagged rows');
  - memory_bytes and checkpoint size after streaming 1e5 vectors.
 BLAS is pinned to one thread ("per core"). Writes benchmarks/results/model.json.
 
@@ -53,8 +54,8 @@ from streams.model.gmm import GaussianMixture, GMMConfig  # noqa: E402
 
 D, K, GOAL = 64, 8, 50_000
 # the previous code: these files as they were before the scoring-path speed-up
-BASELINE_REV = "b49dac9"
-BASELINE_FILES = ("streams/model/gmm.py", "streams/model/scaling.py", "streams/model/feature_index.py")
+BASELINE_REV = "c281caf"
+BASELINE_FILES = ("streams/model/job_model.py", "streams/model/peers.py", "streams/model/config.py")
 FACADE_ROUNDS = 4        # child processes per tree, alternating with the other tree
 FACADE_PASSES = 2        # passes over the same windows per child, each with a fresh model
 

@@ -7,6 +7,7 @@ import pytest
 
 from streams.model import JobModel, ModelConfig
 from streams.model.ensemble import Rule
+from streams.model.peers import PeerComparison
 from streams.model.synthetic import SyntheticJob
 
 FAST = ModelConfig(detectors=("gmm", "peer"))   # the default rule's detectors; hst is the slow one
@@ -180,3 +181,20 @@ def test_peer_spread_is_not_learned_from_the_odd_rank():
         z = peers.zscores(x[:, None], np.ones((3, 1), bool), learn_below=6.0)
         if w >= 100:
             assert z[1, 0] <= -6.0, w
+
+
+def test_peer_dense_fast_path_agrees_with_the_masked_path():
+    """The all-observed window takes a partial-sort path; a masked column of the
+    same data (one extra masked rank) must give the same z for the others."""
+    rng = np.random.default_rng(11)
+    for n in (3, 4, 7, 10):
+        X = rng.standard_normal((n, 5)) * [1, 10, 100, 0.1, 5] + 50
+        dense, masked = PeerComparison(), PeerComparison()
+        Xm = np.vstack([X, np.full((1, 5), np.nan)])
+        Om = np.vstack([np.ones_like(X, bool), np.zeros((1, 5), bool)])
+        for _ in range(3):          # learning the typical spread must agree too
+            zd = dense.zscores(X, np.ones_like(X, bool), learn_below=6.0)
+            zm = masked.zscores(Xm, Om, learn_below=6.0)
+            np.testing.assert_allclose(zd, zm[:n], rtol=1e-12, atol=1e-12)
+            assert (zm[n] == 0).all()
+        np.testing.assert_allclose(dense.typical, masked.typical, rtol=1e-12)

@@ -1,7 +1,7 @@
 """ModelConfig and WindowScore: the job model's settings and its per-rank output."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from streams.model.ensemble import DETECTORS, Rule
 
@@ -55,13 +55,45 @@ class ModelConfig:
             raise ValueError(f"rule {self.rule!r} uses detector(s) {missing} that are not in detectors={self.detectors}")
 
 
-@dataclass
 class WindowScore:
-    rank: int
-    score: float                      # mixture negative log-likelihood of the observed features
-    threshold: float | None           # mixture alarm threshold; None during warm-up
-    is_anomaly: bool                  # the ensemble rule's decision
-    detectors: list[str] = field(default_factory=list)         # which detectors fired
-    contributions: dict[str, float] = field(default_factory=dict)  # top-k features by NLL term
-    peer_z: dict[str, float] = field(default_factory=dict)     # top-k features by |robust z|
-    warm: bool = False                # past warm-up: thresholds apply
+    """One rank's result for one window.
+
+    ``contributions`` (top-k features by NLL term) and ``peer_z`` (top-k by
+    |robust z|) are dicts; the job model passes them as a window's
+    ``TopFeatures`` and they are ranked when first read (only flagged rows'
+    usually are).
+    """
+    __slots__ = ("rank", "score", "threshold", "is_anomaly", "detectors", "warm", "_contrib", "_peer", "_row")
+
+    def __init__(self, rank: int, score: float, threshold: float | None, is_anomaly: bool,
+                 detectors: list[str] | None = None, contributions=None, peer_z=None, warm: bool = False,
+                 row: int = 0):
+        self.rank = rank
+        self.score = score                    # mixture negative log-likelihood of the observed features
+        self.threshold = threshold            # mixture alarm threshold; None during warm-up
+        self.is_anomaly = is_anomaly          # the ensemble rule's decision
+        self.detectors = [] if detectors is None else detectors   # which detectors fired
+        self.warm = warm                      # past warm-up: thresholds apply
+        self._contrib = {} if contributions is None else contributions
+        self._peer = {} if peer_z is None else peer_z
+        self._row = row                       # this rank's row in a TopFeatures
+
+    @property
+    def contributions(self) -> dict[str, float]:
+        c = self._contrib
+        return c if isinstance(c, dict) else c.row(self._row)
+
+    @property
+    def peer_z(self) -> dict[str, float]:
+        p = self._peer
+        return p if isinstance(p, dict) else p.row(self._row)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, WindowScore):
+            return NotImplemented
+        return all(getattr(self, a) == getattr(other, a) for a in
+                   ("rank", "score", "threshold", "is_anomaly", "detectors", "warm", "contributions", "peer_z"))
+
+    def __repr__(self) -> str:
+        return (f"WindowScore(rank={self.rank}, score={self.score!r}, threshold={self.threshold!r}, "
+                f"is_anomaly={self.is_anomaly}, detectors={self.detectors}, warm={self.warm})")

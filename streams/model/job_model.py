@@ -29,6 +29,7 @@ from streams.model.gmm import GaussianMixture, GMMConfig
 from streams.model.peers import PeerComparison
 from streams.model.scaling import MaskedStandardizer
 from streams.model.threshold import DSpot
+from streams.model.top_features import TopFeatures
 
 SCORED_DETECTORS = ("gmm", "mahalanobis", "hst")
 OUTPUT_ORDER = ("gmm", "peer", "hst", "mahalanobis")   # WindowScore.detectors order
@@ -70,31 +71,6 @@ class JobModel:
             self.mahal.grow(d)
         if self.hst:
             self.hst.grow(d)
-
-    def _top(self, values: np.ndarray, present: np.ndarray, by: np.ndarray) -> list[dict[str, float]]:
-        """Per row: the top_k present features by ``by`` (descending), as name -> value.
-
-        Selection and order are numpy's (argpartition, then argsort of the k);
-        names and values are gathered for all rows at once and each row's dict
-        is built by zip, the Python work left being one small dict per row.
-        """
-        n = values.shape[0]
-        k = min(self.config.top_k, values.shape[1])
-        if k == 0:
-            return [{} for _ in range(n)]
-        all_present = bool(present.all())   # the usual case: no masking to do
-        key = by if all_present else np.where(present, by, -np.inf)
-        row = np.arange(n)[:, None]
-        idx = np.argpartition(-key, k - 1, axis=1)[:, :k]
-        idx = idx[row, key[row, idx].argsort(axis=1)[:, ::-1]]
-        names = self.index.name_array()[idx].tolist()
-        vals = values[row, idx].tolist()
-        out = [dict(zip(nr, vr)) for nr, vr in zip(names, vals)]
-        if not all_present:
-            keep = present[row, idx]
-            for r in np.flatnonzero(~keep.all(axis=1)).tolist():   # rows with fewer than k present
-                out[r] = {nm: v for nm, v, ok in zip(names[r], vals[r], keep[r].tolist()) if ok}
-        return out
 
     # -------------------------------------------------------------- public
     def process_window(self, window_start_ns: int, rows: list[tuple[int, dict[str, float]]]) -> list[WindowScore]:
@@ -153,17 +129,17 @@ class JobModel:
         if not replay:
             self._learn(X, M, Z, usable, sc, anomaly)
 
-        top_c = self._top(contrib, usable, contrib)
-        top_z = self._top(pz, M & (pz != 0), np.abs(pz))
+        names = self.index.name_array()
+        top_c = TopFeatures(contrib, usable, contrib, names, c.top_k)
+        top_z = TopFeatures(pz, M & (pz != 0), np.abs(pz), names, c.top_k)
         detectors: list[list[str]] = [[] for _ in range(n)]
         for d in OUTPUT_ORDER:
             if d in fired:
                 for i in np.flatnonzero(fired[d]).tolist():
                     detectors[i].append(d)
         # positional: one object per rank per window, and keywords cost ~0.5 us each here
-        return [WindowScore(r, s, gmm_threshold, a, det, tc, tz, warm)
-                for r, s, a, det, tc, tz in zip(ranks.tolist(), sc.nll.tolist(), anomaly.tolist(),
-                                                detectors, top_c, top_z)]
+        return [WindowScore(r, s, gmm_threshold, a, det, top_c, top_z, warm, i)
+                for i, (r, s, a, det) in enumerate(zip(ranks.tolist(), sc.nll.tolist(), anomaly.tolist(), detectors))]
 
     def _learn(self, X, M, Z, usable, sc, anomaly) -> None:
         c = self.config

@@ -34,8 +34,16 @@ def relative_floor(name: str, base: float) -> float:
     return max(base, HISTOGRAM_STEP) if name.endswith(QUANTIZED_SUFFIXES) else base
 
 
-def _masked_median(X: np.ndarray, observed: np.ndarray) -> np.ndarray:
-    """Column medians over observed cells (every column has at least one); sort-based, no NaN paths."""
+def _masked_median(X: np.ndarray, observed: np.ndarray, all_observed: bool = False) -> np.ndarray:
+    """Column medians over observed cells (every column has at least one); sort-based, no NaN paths.
+
+    all_observed: every cell is observed (the usual window), so a partial sort
+    around the middle suffices."""
+    n = X.shape[0]
+    if all_observed:
+        lo, hi = (n - 1) // 2, n // 2
+        P = np.partition(X, (lo, hi) if lo != hi else lo, axis=0)
+        return 0.5 * (P[lo] + P[hi])
     S = np.sort(np.where(observed, X, np.inf), axis=0)
     cnt = observed.sum(axis=0)
     cols = np.arange(X.shape[1])
@@ -74,18 +82,25 @@ class PeerComparison:
         cols = np.flatnonzero(enough)
         Xc = X[:, cols]
         Oc = observed[:, cols]
-        med = _masked_median(Xc, Oc)
-        mad = MAD_TO_SIGMA * _masked_median(np.abs(Xc - med), Oc)
+        dense = bool(Oc.all())
+        med = _masked_median(Xc, Oc, dense)
+        diff = Xc - med
+        dev = np.abs(diff)
+        mad = MAD_TO_SIGMA * _masked_median(dev, Oc, dense)
         typ = self.typical[cols]
         scale = np.fmax(mad, typ)   # fmax: a NaN typical (first window) is ignored
         scale = np.maximum(scale, np.maximum(self.floors[cols] * np.abs(med), self.abs_floor))
-        dev = np.abs(Xc - med)
-        zc = np.where(Oc, (Xc - med) / scale, 0.0)
+        zc = diff / scale
+        if not dense:
+            zc[~Oc] = 0.0
         if learn:
-            inlier = Oc & (np.abs(zc) < learn_below)
+            inlier = np.abs(zc) < learn_below
+            if not dense:
+                inlier &= Oc
             cnt = inlier.sum(axis=0)
             seen = cnt > 0
-            spread = MEAN_AD_TO_SIGMA * np.where(inlier, dev, 0.0).sum(axis=0) / np.maximum(cnt, 1)
+            kept = dev * inlier if dense else np.where(inlier, dev, 0.0)   # masked dev is NaN
+            spread = MEAN_AD_TO_SIGMA * kept.sum(axis=0) / np.maximum(cnt, 1)
             r = self.typical_rate
             new = np.where(np.isnan(typ), spread, (1 - r) * typ + r * spread)
             self.typical[cols] = np.where(seen, new, typ)
