@@ -43,6 +43,7 @@ class ScoringStats:
     restored_models: int = 0
     checkpoints: int = 0
     node_join_misses: int = 0  # anomalies diagnosed without their host's node features
+    features_admitted: int = 0  # late features that joined a job's score (FeatureAdmission)
 
 
 class Scorer:
@@ -125,7 +126,10 @@ class Scorer:
             # evaluation runs: healthy runs 53% of windows flagged with them, 0.7% without); they stay
             # in the anomaly's vector as evidence for diagnosis.
             rows = [(w.key[3], v) for w, v in members]
-            results = self.model(tenant, job).process_window(start, rows)
+            model = self.model(tenant, job)
+            admitted = model.stats["features_admitted"]
+            results = model.process_window(start, rows)
+            self.stats.features_admitted += model.stats["features_admitted"] - admitted
             self.stats.steps += 1
             for (w, v), s in zip(members, results):
                 scored.append((w, s))

@@ -198,3 +198,34 @@ def test_peer_dense_fast_path_agrees_with_the_masked_path():
             np.testing.assert_allclose(zd, zm[:n], rtol=1e-12, atol=1e-12)
             assert (zm[n] == 0).all()
         np.testing.assert_allclose(dense.typical, masked.typical, rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_source_that_joins_after_calibration_is_admitted_without_flagging_the_job(seed):
+    """Three ranks; the nccl source (10 features) and four `late.*` features report only
+    from window 60, long after the thresholds calibrated (window 30), and the late ones
+    barely move in their first windows (a tracer's first, partial windows), so their
+    standardization starts tight. Scoring them at once lifted every rank over the old
+    threshold: 23-24 of the next 50 windows flagged, until the regime rule relearned.
+    Now they join after ``rejoin_windows`` with recalibrated thresholds, and a fault in
+    one of them is then the mixture's to find."""
+    cfg = ModelConfig(detectors=("gmm", "peer"), rule="gmm")   # the mixture alone decides
+    joins, fault, n_ranks = 60, 110, 3
+    job = SyntheticJob(n_ranks=n_ranks, seed=seed)
+    rng = np.random.default_rng(seed)
+    model = JobModel(cfg)
+    windows = []
+    for w in range(fault + 8):
+        rows = job.window(None, {r: "nccl" for r in range(n_ranks)} if w < joins else None)
+        if w >= joins:
+            for r, d in rows:
+                for i in range(4):
+                    cv = 0.001 if w < joins + 4 else 0.05
+                    d[f"late.x{i}"] = 100.0 * (1 + cv * rng.standard_normal()) * (0.3 if (w >= fault and r == 1 and i == 2) else 1)
+        windows.append(model.process_window(w * 1_000_000_000, rows))
+    assert flagged_windows(windows, joins, fault) <= 3
+    assert model.stats["features_admitted"] == 14 and model.stats["regime_windows_learned"] == 0
+    delay = first_flag(windows, 1, fault)
+    assert delay is not None and delay <= 2
+    hit = windows[fault + delay][1]
+    assert "gmm" in hit.detectors and "late.x2" in hit.contributions

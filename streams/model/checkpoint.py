@@ -48,6 +48,8 @@ def dump(model) -> bytes:
         "flagged_run": model.flagged_run, "stats": model.stats,
         "gmm": gmm_meta, "thresholds": thr_meta,
     }
+    meta["admission"], a = model.admission.state()
+    put("admission", a)
     if model.mahal:
         meta["mahal"], a = model.mahal.g.state()
         put("mahal", a)
@@ -86,6 +88,10 @@ def load(blob: bytes):
     model.peers.load(part("peers"))
     for name, t in model.thresholds.items():
         t.load(meta["thresholds"][name], part(f"thr_{name}"))
+    if "admission" in meta:
+        model.admission.load(meta["admission"], part("admission"))
+    elif model.windows > model.config.warmup_windows // 2:   # written before admission existed
+        model.admission.fix(model.scaler.ready())
     if model.mahal:
         model.mahal.g.load(meta["mahal"], part("mahal"))
     if model.hst:

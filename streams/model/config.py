@@ -29,6 +29,8 @@ class ModelConfig:
     dspot_depth: int = 200            # DSPOT: scores in the moving level (0: plain SPOT)
     anomaly_weight: float = 0.0       # learning weight of a flagged row (0: not learned)
     regime_windows: int = 20          # most ranks flagged this many windows in a row: learn it as the new normal
+    rejoin_windows: int = 20          # a feature usable only after thresholds started warming joins the score
+                                      # after this many windows, with thresholds recalibrated (FeatureAdmission)
     # peers
     peer_z_threshold: float = 6.0
     peer_min_ranks: int = 3

@@ -364,8 +364,14 @@ class GaussianMixture:
         self._mstep()
 
     def partial_fit(self, Z: np.ndarray, M: np.ndarray, w: np.ndarray | None = None,
-                    scored: Scored | None = None) -> None:
-        """One stepwise-EM step on a mini-batch (rows weighted by ``w`` in [0, 1])."""
+                    scored: Scored | None = None, compare: np.ndarray | None = None) -> None:
+        """One stepwise-EM step on a mini-batch (rows weighted by ``w`` in [0, 1]).
+
+        scored: the batch's score, whose responsibilities weight the statistics (it may
+        cover fewer dimensions than M: the learned cells are M's). compare: the
+        dimensions whose distances decide merges (None: all); fresh dimensions,
+        identical in every component, would otherwise dilute the per-dimension
+        distance and merge components that differ on the established ones."""
         n = Z.shape[0]
         if n == 0:
             return
@@ -385,7 +391,7 @@ class GaussianMixture:
         if self.cfg.k is None:
             if self.t > self.cfg.spawn_after:
                 self._maybe_spawn(Z, M, w, sc)
-            self._merge()
+            self._merge(compare)
 
     def fit_batch(self, Z: np.ndarray, M: np.ndarray, iters: int = 100, tol: float = 1e-7) -> float:
         """Plain batch EM on all rows (eta = 1 each iteration); returns the mean log-likelihood."""
@@ -437,18 +443,22 @@ class GaussianMixture:
         self.s2 = np.concatenate([self.s2, s2_new[None]], axis=0)
         self._mstep()
 
-    def _bhattacharyya(self) -> np.ndarray:
-        """(K, K) per-dimension Bhattacharyya distance between components (diagonals)."""
-        va, vb = self.var[:, None, :], self.var[None, :, :]
-        dm = self.means[:, None, :] - self.means[None, :, :]
+    def _bhattacharyya(self, compare: np.ndarray | None = None) -> np.ndarray:
+        """(K, K) per-dimension Bhattacharyya distance between components (diagonals),
+        averaged over the ``compare`` dimensions (all when None or empty)."""
+        var, means = self.var, self.means
+        if compare is not None and compare.any() and not compare.all():
+            var, means = var[:, compare], means[:, compare]
+        va, vb = var[:, None, :], var[None, :, :]
+        dm = means[:, None, :] - means[None, :, :]
         vs = va + vb
         bd = (dm ** 2 / (4.0 * vs) + 0.5 * np.log(vs / (2.0 * np.sqrt(va * vb)))).mean(axis=2)
         np.fill_diagonal(bd, np.inf)
         return bd
 
-    def _merge(self) -> None:
+    def _merge(self, compare: np.ndarray | None = None) -> None:
         while self.n_components > 1:
-            bd = self._bhattacharyya()
+            bd = self._bhattacharyya(compare)
             light = np.flatnonzero(self.weights < self.cfg.prune_weight)
             if self.n_components > self.cfg.max_components:
                 a, b = np.unravel_index(np.argmin(bd), bd.shape)

@@ -24,6 +24,7 @@ import numpy as np
 from streams.model.config import ModelConfig, WindowScore
 from streams.model.detectors import HalfSpace, Mahalanobis
 from streams.model.ensemble import Rule
+from streams.model.feature_admission import FeatureAdmission
 from streams.model.feature_index import FeatureIndex
 from streams.model.gmm import GaussianMixture, GMMConfig
 from streams.model.peers import PeerComparison
@@ -50,21 +51,26 @@ class JobModel:
                       if "mahalanobis" in c.detectors else None)
         self.hst = (HalfSpace(c.hst_trees, c.hst_height, c.hst_window, c.seed)
                     if "hst" in c.detectors else None)
-        self.thresholds = {name: DSpot(risk=c.risk, level=c.tail_level, depth=c.dspot_depth)
-                           for name in SCORED_DETECTORS if name in c.detectors}
+        self.thresholds = {name: self._new_threshold() for name in SCORED_DETECTORS if name in c.detectors}
+        self.admission = FeatureAdmission(self._new_threshold, c.rejoin_windows)
         self.windows = 0
         self.last_window_ns = -1
         self.flagged_run = 0
         self.stats = {"rows": 0, "replayed_windows": 0, "regime_windows_learned": 0,
-                      "unscorable_rows": 0}
+                      "unscorable_rows": 0, "features_admitted": 0}
 
     # ------------------------------------------------------------ helpers
     @property
     def warm(self) -> bool:
         return self.thresholds["gmm"].calibrated
 
+    def _new_threshold(self) -> DSpot:
+        c = self.config
+        return DSpot(risk=c.risk, level=c.tail_level, depth=c.dspot_depth)
+
     def _grow(self, d: int) -> None:
         self.scaler.grow(d)
+        self.admission.grow(d)
         self.gmm.grow(d)
         self.peers.grow(d, self.index.names)
         if self.mahal:
@@ -87,16 +93,29 @@ class JobModel:
             self.last_window_ns = window_start_ns
             self.stats["rows"] += len(rows)
 
-        usable = M & self.scaler.ready()
+        adm = self.admission
+        ready = self.scaler.ready()
+        if not replay and self.windows > c.warmup_windows // 2:
+            adm.fix(ready)                     # thresholds warm from here: the scored set is fixed
+            adm.begin(ready, [d for d in ("gmm", "mahalanobis") if d in self.thresholds])
+        usable = M & ready
         Z = self.scaler.transform(X, usable)
-        sc = self.gmm.score(Z, usable)
-        contrib = self.gmm.contributions(Z, usable, sc)
+        S = adm.mask(usable)                   # the scored features' cells
+        Zs = Z if S is usable else np.where(S, Z, 0.0)   # the scores read 0 where masked
+        sc = self.gmm.score(Zs, S)
+        contrib = self.gmm.contributions(Zs, S, sc)
         pz = self.peers.zscores(X, M, learn=not replay, learn_below=c.peer_z_threshold)
         scorable = sc.n_obs > 0
         self.stats["unscorable_rows"] += int((~scorable).sum())
         scores = {"gmm": sc.nll}
         if self.mahal:
-            scores["mahalanobis"] = self.mahal.score(Z, usable)
+            scores["mahalanobis"] = self.mahal.score(Zs, S)
+        shadow_scores = None
+        if adm.active:                         # late features pending: their shadow thresholds' scores
+            E = adm.extended(usable)
+            shadow_scores = {"gmm": self.gmm.score(Z, E).nll}
+            if self.mahal:
+                shadow_scores["mahalanobis"] = self.mahal.score(Z, E)
         if self.hst:
             scores["hst"] = self.hst.score(X, usable)
 
@@ -128,9 +147,13 @@ class JobModel:
 
         if not replay:
             self._learn(X, M, Z, usable, sc, anomaly)
+            if shadow_scores is not None:
+                normal = scorable & ~anomaly
+                adm.observe({name: s[normal] for name, s in shadow_scores.items()})
+                self.stats["features_admitted"] += adm.admit(self.thresholds, warm)
 
         names = self.index.name_array()
-        top_c = TopFeatures(contrib, usable, contrib, names, c.top_k)
+        top_c = TopFeatures(contrib, S, contrib, names, c.top_k)
         top_z = TopFeatures(pz, M & (pz != 0), np.abs(pz), names, c.top_k)
         detectors: list[list[str]] = [[] for _ in range(n)]
         for d in OUTPUT_ORDER:
@@ -149,7 +172,7 @@ class JobModel:
             self.stats["regime_windows_learned"] += 1
         else:
             w = np.where(anomaly, c.anomaly_weight, 1.0)
-        self.gmm.partial_fit(Z, usable, w, scored=sc)
+        self.gmm.partial_fit(Z, usable, w, scored=sc, compare=self.admission.scored)
         if self.mahal:
             self.mahal.learn(Z, usable, w)
         normal = w >= 1.0
