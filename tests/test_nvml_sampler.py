@@ -462,3 +462,38 @@ def test_the_one_call_tick_path_gives_the_rows_of_the_getter_by_getter_path(scen
     by_getter = [device_rows(rows) for rows in ticks(make_sampler(), 3, step_ns=SEC // 10)]
     assert [sorted(d) for d in one_call] == [sorted(d) for d in by_getter]
     assert one_call == by_getter
+
+
+# -- the fast paths and reused columns (steady ticks) ------------------------
+
+def test_steady_ticks_pick_up_every_change_and_a_counter_reset(scenario, make_sampler):
+    """Field values on the fast path (same layout, every field answered): a gauge
+    that moves, counter deltas, and a reset after many steady ticks."""
+    scenario("device_count 1\ngpu 0 gpu_util 1\ngpu 0 mem_util 1\n"
+             "gpu 0 power_mw 100000 200000 300000 400000 500000 600000 700000\n"
+             "gpu 0 energy_mj 1000 1100 1300 1600 2000 200 300 450\n"
+             f"gpu 0 field {FI_NVLINK_TX} 10 20 40 80 160 320 640 1280\n")
+    out = [device_rows(rows) for rows in ticks(make_sampler(), 8, step_ns=SEC // 10)]
+    assert [d[("nvml.power_w", "gpu0")]["value"] for d in out] == [100.0, 200.0, 300.0, 400.0, 500.0, 600.0,
+                                                                  700.0, 700.0]
+    energy = [d.get(("nvml.energy_j", "gpu0")) for d in out]
+    assert energy[0] is None and energy[5] is None  # the first read; 2000 -> 200, a reset
+    assert [e["value"] for e in energy if e is not None] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.1, 0.15])
+    assert {e["interval_ns"] for e in energy if e is not None} == {SEC // 10}
+    assert [d[("nvml.nvlink.tx_kib", "gpu0")]["value"] for d in out[1:]] == [10.0, 20.0, 40.0, 80.0, 160.0,
+                                                                            320.0, 640.0]
+
+
+def test_reused_columns_follow_a_layout_change(scenario, make_sampler):
+    """GPU 1 is lost mid-run: the tick's layout changes (a status row, one GPU
+    fewer) and the metric, device and gpu columns must change with it."""
+    scenario(FULL + "gpu 1 lost_after 4\n")
+    out = ticks(make_sampler(), 8, step_ns=SEC // 10)
+    for rows in out:
+        for r in rows:
+            if r["metric"] not in ("nvml.gpu_lost", "nvml.unsupported"):
+                assert r["device"] == f"gpu{r['gpu']}"
+    assert {r["gpu"] for r in out[2]} == {0, 1}
+    lost_at = next(i for i, rows in enumerate(out) if ("nvml.gpu_lost", "gpu1", 1.0) in statuses(rows))
+    assert all({r["gpu"] for r in rows} == {0} for rows in out[lost_at + 1:])
+    assert [r["metric"] for r in out[-1]] == [r["metric"] for r in out[-2]]

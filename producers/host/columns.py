@@ -47,7 +47,9 @@ def str_column(items: Sequence[str]) -> StrColumn:
 
 class RepeatingColumn:
     """One column (say, "metric") of successive batches: `build(items)` once per
-    distinct sequence of items, the result reused while that sequence comes back."""
+    distinct sequence of items, the result reused while that sequence comes back.
+    `build` may also return a tuple of columns (NVML builds its metric, device and
+    gpu columns from one row layout); each is made read-only."""
 
     def __init__(self, build=str_column) -> None:
         self._build = build
@@ -62,7 +64,8 @@ class RepeatingColumn:
                     recent.insert(0, recent.pop(k))
                 return column
         column = self._build(items)
-        _read_only(column.codes if isinstance(column, StrColumn) else column)
+        for col in column if isinstance(column, tuple) else (column,):
+            _read_only(col.codes if isinstance(col, StrColumn) else col)
         recent.insert(0, (items, column))
         del recent[_KEPT_LAYOUTS:]
         return column

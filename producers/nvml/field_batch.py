@@ -16,12 +16,23 @@ Counters become deltas here: each field keeps its previous raw
 value and time, and a delta covers exactly the time since that field's last
 successful read (nothing on the first read, after a reset, or if no time
 passed).
+
+`sample` (read, then rows) has a fast path for the usual tick, which the
+sampler takes on every GPU ten times a second: once a read has shown every
+field's value type, one struct unpack reads each entry's type and return
+code as one number and its value already typed, a tuple compare checks all
+of them at once, and the deltas are computed with C-level map() over the
+previous raw values. Anything unusual (a failed field, a changed value type,
+a counter that went back, a missing baseline) takes the general path for
+that read, from the same filled array, so nothing is read twice.
 """
 from __future__ import annotations
 
 import ctypes
 import struct
 from collections.abc import Callable
+from itertools import compress, repeat
+from operator import mul, sub
 from typing import NamedTuple
 
 import pynvml
@@ -66,6 +77,20 @@ _DECODERS = {
 }
 
 
+# nvmlValueType -> struct code for the union's 8 bytes (little-endian: the
+# narrower types sit in the low bytes), for the fast path's typed unpack.
+_TYPED = {
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "Q",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "Q",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "I4x",
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "d",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "q",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "i4x",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "H6x",
+}
+assert set(_TYPED) == set(_DECODERS)
+
+
 def _decode(vtype: int, raw: int) -> float:
     """The union's bits as a number, per nvmlValueType."""
     decoder = _DECODERS.get(vtype)
@@ -99,22 +124,65 @@ class FieldBatch:
         # (metric, scale, counter) per spec, and each counter's previous (raw value, ns) or None.
         self._plan = [(s.metric, s.scale, s.counter) for s in specs]
         self._prev = [prev.get(s.metric) for s in specs]
+        # The fast path (see `sample`): metrics, scales and 0/1 counter flags per spec; the typed
+        # unpack and the (value type | return code << 32) it expects per entry, once a read has
+        # shown the types; and, while every counter's baseline is from the same read, those raw
+        # values (0 for gauges) and that read's time in _base/_since, which then stand for _prev.
+        self.metrics = tuple(s.metric for s in specs)
+        self._scales = tuple(s.scale for s in specs)
+        self._flags = tuple(1 if s.counter else 0 for s in specs)
+        self._typed, self._keys = None, None
+        self._base: list | None = None
+        self._since: int | None = None
+        self._settle()
 
     def __len__(self) -> int:
         return len(self.specs)
 
     def drop(self, names: set[str]) -> None:
         """Stop asking for these specs (unsupported on this device); counter baselines carry over."""
+        self._unsettle()
         prev = {s.metric: p for s, p in zip(self.specs, self._prev) if p is not None}
         self._build(tuple(s for s in self.specs if s.name not in names), prev)
+
+    def sample(self, calls, now_ns: int) -> tuple[tuple | list, list, list, list | tuple]:
+        """read() then rows(): (metrics, values, interval_ns, nvmlReturn per spec,
+        or () when every field answered). Raises as read() does."""
+        since = self._since
+        if since is None or self._typed is None or now_ns <= since:
+            ret = self._call(calls)
+        else:
+            ret = self._fn(calls.handle, self._count, self._ref)
+            if not ret:
+                flat = self._typed(self._arr)
+                if flat[0::2] == self._keys:  # every field answered, with the type seen before
+                    raw = flat[1::2]
+                    diffs = list(map(sub, raw, self._base))
+                    flags = self._flags
+                    if min(compress(diffs, flags), default=0) >= 0:  # no counter went back
+                        self._base, self._since = list(map(mul, raw, flags)), now_ns
+                        return (self.metrics, list(map(mul, diffs, self._scales)),
+                                list(map(mul, flags, repeat(now_ns - since))), ())
+        values, rets = self._decode(calls, ret)
+        metrics, out, intervals = self.rows(values, rets, now_ns)
+        return metrics, out, intervals, rets if any(rets) else ()
 
     def read(self, calls) -> tuple[list[float], list[int]]:
         """(raw values, nvmlReturn per spec). Raises NVMLError only when the
         whole call fails with something other than "unsupported"."""
+        return self._decode(calls, self._call(calls))
+
+    def _call(self, calls) -> int:
+        """The field-values call's nvmlReturn (0 with nothing to ask it)."""
+        if not self._batched:
+            return 0
+        return self._fn(calls.handle, self._count, self._ref) if self._fn else pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+
+    def _decode(self, calls, ret: int) -> tuple[list[float], list[int]]:
+        """read()'s result once the call returned `ret` (and filled the array)."""
         n = len(self.specs)
         values, rets = [0.0] * n, [0] * n
         if self._batched:
-            ret = self._fn(calls.handle, self._count, self._ref) if self._fn else pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
             if ret in _UNSUPPORTED:  # no field values at all here: each field fails alike
                 for i in self._batched:
                     rets[i] = ret
@@ -126,9 +194,12 @@ class FieldBatch:
                 if not self._getters and not any(codes):
                     # The usual read: every field is in the array and answered.
                     try:
-                        return [_DECODERS[vtype](raw) for vtype, raw in zip(flat[0::3], flat[2::3])], list(codes)
+                        values = [_DECODERS[vtype](raw) for vtype, raw in zip(flat[0::3], flat[2::3])]
                     except KeyError:
                         pass  # a value type we do not know: the loop below says which
+                    else:
+                        self._learn(flat[0::3])
+                        return values, list(codes)
                 for i, vtype, code, raw in zip(self._batched, flat[0::3], codes, flat[2::3]):
                     if code:
                         rets[i] = code
@@ -159,6 +230,27 @@ class FieldBatch:
         except pynvml.NVMLError as exc:
             return 0.0, exc.value
 
+    def _learn(self, vtypes: tuple) -> None:
+        """The fast path's typed unpack, for the value types this read showed."""
+        if vtypes == self._keys or self._getters:
+            return
+        self._typed = struct.Struct("<" + "".join("24xQ" + _TYPED[t] for t in vtypes)).unpack_from
+        self._keys = tuple(vtypes)  # with return code 0, an entry's key is its value type
+
+    def _unsettle(self) -> None:
+        """Bring _prev up to date after fast reads (they advance only _base and _since)."""
+        if self._since is not None:
+            self._prev = [(raw, self._since) if counter else None for raw, counter in zip(self._base, self._flags)]
+
+    def _settle(self) -> None:
+        """Let the fast path take over when every counter's baseline is from one read."""
+        stamps = {p[1] if p is not None else None for p, counter in zip(self._prev, self._flags) if counter}
+        if None in stamps or len(stamps) > 1:
+            self._base = self._since = None
+            return
+        self._since = stamps.pop() if stamps else 0
+        self._base = [p[0] if counter else 0 for p, counter in zip(self._prev, self._flags)]
+
     def rows(self, values: list[float], rets: list[int], now_ns: int) -> tuple[list, list, list]:
         """(metrics, values, interval_ns) for this read: gauges that answered and
         counters with a delta. A counter's baseline advances when its read answered.
@@ -166,6 +258,7 @@ class FieldBatch:
         Plain Python on purpose: a device has ~10 fields, where numpy's fixed
         cost per call is larger than the whole loop.
         """
+        self._unsettle()
         metrics, out, intervals = [], [], []
         prev_all = self._prev
         for i, (metric, scale, counter) in enumerate(self._plan):
@@ -184,4 +277,5 @@ class FieldBatch:
                 metrics.append(metric)
                 out.append((value - prev[0]) * scale)
                 intervals.append(now_ns - prev[1])
+        self._settle()
         return metrics, out, intervals

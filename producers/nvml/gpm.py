@@ -90,7 +90,7 @@ class GpmReader:
         for i, (metric_id, _) in enumerate(self.metrics):
             request.metrics[i].metricId = metric_id
         self._view = np.frombuffer(request, dtype=_METRIC_DTYPE, count=len(self.metrics), offset=_METRICS_OFFSET)
-        self._names = [name for _, name in self.metrics]
+        self._names = tuple(name for _, name in self.metrics)
         self._fn = None
 
     def read(self) -> tuple[list[str], list[float], list[tuple[str, int]]]:

@@ -104,31 +104,30 @@ class _Device:
 
 
 class _Rows:
-    """One tick's rows as columns: node-identity rows, then per-process rows."""
+    """One tick's rows: node-identity rows, then per-process rows.
 
-    __slots__ = ("metric", "device", "value", "interval", "gpu", "procs")
+    Node rows come in runs of one device's readings: `layout` holds one
+    (metrics, device, gpu) per run, and only the values and intervals are
+    flat lists. The metric, device and gpu columns follow from the layout,
+    which repeats from tick to tick (see _Columns), so a tick does not spell
+    them out row by row; comparing two layouts is a few pointer compares a
+    run, as the metric tuples are mostly the same objects every tick."""
+
+    __slots__ = ("layout", "value", "interval", "procs")
 
     def __init__(self):
-        self.metric, self.device, self.value, self.interval, self.gpu = [], [], [], [], []
+        self.layout: list[tuple[tuple, str, int]] = []
+        self.value: list[float] = []
+        self.interval: list[int] = []
         self.procs: list[tuple] = []  # (metric, device, value, interval_ns, gpu, pid, tenant, job, rank)
 
-    def add(self, metric: str, device: str, value: float, interval_ns: int, gpu: int) -> None:
-        self.metric.append(metric)
-        self.device.append(device)
-        self.value.append(value)
-        self.interval.append(interval_ns)
-        self.gpu.append(gpu)
-
-    def extend(self, dev: _Device, metrics, values, intervals=None) -> None:
-        n = len(metrics)
-        self.metric += metrics
+    def add(self, dev: _Device, metrics: tuple, values, intervals=None) -> None:
+        self.layout.append((metrics, dev.label, dev.index))
         self.value += values
-        self.interval += intervals if intervals is not None else [0] * n
-        self.device += [dev.label] * n
-        self.gpu += [dev.index] * n
+        self.interval += intervals if intervals is not None else [0] * len(metrics)
 
     def __len__(self) -> int:
-        return len(self.metric) + len(self.procs)
+        return len(self.value) + len(self.procs)
 
 
 class NvmlSampler:
@@ -224,11 +223,8 @@ class NvmlSampler:
                        identities: dict) -> None:
         """`getters`: the GETTERS due this tick."""
         unsupported = dev.unsupported
-        got = self._sample_getters(dev, getters)
-        if got is None:  # the GPU is lost
+        if not self._sample_getters(dev, getters, rows):  # the GPU is lost
             return
-        metrics, values = got
-        rows.extend(dev, metrics, values)
         for group, batch in dev.fields.items():
             if due[group] and batch.specs:
                 self._sample_fields(dev, group, batch, now_ns, rows)
@@ -239,8 +235,8 @@ class NvmlSampler:
         if due[SLOW] and not dev.lost:
             self._sample_processes(dev, rows, identities)
 
-    def _sample_getters(self, dev: _Device, getters: list) -> tuple[list, list] | None:
-        """(metrics, values) of this tick's getters, or None if the GPU turned out lost.
+    def _sample_getters(self, dev: _Device, getters: list, rows: _Rows) -> bool:
+        """This tick's getters into `rows`; False if the GPU turned out lost.
 
         The usual tick takes the TICK getters in one DeviceCalls.tick() call:
         one Python call for five C calls, where a getter each costs a few
@@ -249,22 +245,22 @@ class NvmlSampler:
         support, sends the tick getter by getter, which says which failed."""
         raw = dev.calls.tick() if dev.unsupported.isdisjoint(_TICK_GETTERS) else None
         if raw is None:
-            return self._sample_each_getter(dev, getters)
-        gpu_util, mem_util, mem_used, sm_clock, mem_clock, mask = raw
-        dev.clock_sum += sm_clock
-        dev.clock_n += 1
-        metrics = list(_TICK_METRICS)
-        values = [gpu_util, mem_util, mem_used, float(sm_clock), float(mem_clock), *decode_throttle(mask)]
-        slower = getters[len(_TICK_GETTERS):]  # the slow, static and PCIe getters due this tick
+            slower = getters
+        else:
+            gpu_util, mem_util, mem_used, sm_clock, mem_clock, mask = raw
+            dev.clock_sum += sm_clock
+            dev.clock_n += 1
+            # _TICK_METRICS itself, the same tuple every tick: the layout compare is then a pointer compare.
+            rows.add(dev, _TICK_METRICS, [gpu_util, mem_util, mem_used, sm_clock, mem_clock, *decode_throttle(mask)])
+            slower = getters[len(_TICK_GETTERS):]  # the slow, static and PCIe getters due this tick
         if slower:
             got = self._sample_each_getter(dev, slower)
             if got is None:
-                return None
-            metrics += got[0]
-            values += got[1]
-        return metrics, values
+                return False
+            rows.add(dev, *got)
+        return True
 
-    def _sample_each_getter(self, dev: _Device, getters) -> tuple[list, list] | None:
+    def _sample_each_getter(self, dev: _Device, getters) -> tuple[tuple, list] | None:
         calls, unsupported = dev.calls, dev.unsupported
         metrics: list[str] = []
         values: list[float] = []
@@ -288,21 +284,20 @@ class NvmlSampler:
                 dev.clock_n += 1
             elif name == "sm_clock_max":
                 dev.sm_clock_max = got[0]
-        return metrics, values
+        return tuple(metrics), values
 
     def _sample_fields(self, dev: _Device, group: str, batch: FieldBatch, now_ns: int, rows: _Rows) -> None:
         try:
-            values, rets = batch.read(dev.calls)
+            metrics, out, intervals, rets = batch.sample(dev.calls, now_ns)
         except pynvml.NVMLError as exc:
             self._on_error(dev, f"fields.{group}", exc)
             return
-        metrics, out, intervals = batch.rows(values, rets, now_ns)
-        rows.extend(dev, metrics, out, intervals)
+        rows.add(dev, tuple(metrics), out, intervals)  # no copy for the fast path's tuple
         if group == TICK and "nvml.energy_j" in metrics:
             k = metrics.index("nvml.energy_j")
             dev.energy_j += out[k]
             dev.energy_ns += intervals[k]
-        if any(rets):
+        if rets:
             dropped = set()
             for i in [i for i, code in enumerate(rets) if code]:
                 code, name = rets[i], batch.specs[i].name
@@ -334,14 +329,14 @@ class NvmlSampler:
             self._on_error(dev, name.removeprefix("nvml."), pynvml.NVMLError(code))
         if not names:
             return
-        rows.extend(dev, names, values)
+        rows.add(dev, tuple(names), values)
         # OFU pairs the interval's tensor activity with the interval's mean SM clock.
         clock = dev.clock_sum / dev.clock_n if dev.clock_n else None
         dev.clock_sum, dev.clock_n = 0.0, 0
         if TENSOR_METRIC in names and clock is not None and dev.sm_clock_max is not None:
             ofu = ofu_percent(values[names.index(TENSOR_METRIC)], clock, dev.sm_clock_max)
             if ofu is not None:
-                rows.add("nvml.ofu", dev.label, ofu, 0, dev.index)
+                rows.add(dev, ("nvml.ofu",), [ofu])
 
     def _sample_processes(self, dev: _Device, rows: _Rows, identities: dict) -> None:
         """Process memory and utilization, then this interval's energy split over them (slow cadence)."""
@@ -457,44 +452,55 @@ def _process_samples(handle, last_seen_us: int) -> list:
         return []  # NVML's way of saying it holds no samples newer than last_seen_us
 
 
+_I8, _F8 = np.dtype("<i8"), np.dtype("<f8")
+# _Columns.batch writes the columns out in this order; fail at import, not in a consumer, if the schema changes.
+assert tuple(SOURCE_COLUMNS["nvml"]) == ("ts_ns", "tenant", "job", "rank", "pid", "gpu", "metric", "device",
+                                         "value", "interval_ns"), "update _Columns.batch"
+
+
+def _layout_columns(layout: tuple) -> tuple:
+    """The metric, device and gpu columns that a tick's row layout spells out."""
+    metric = [m for metrics, _, _ in layout for m in metrics]
+    device = [d for metrics, d, _ in layout for _ in metrics]
+    gpu = np.array([g for metrics, _, g in layout for _ in metrics], dtype="<i2")
+    return str_column(metric), str_column(device), gpu
+
+
 class _Columns:
-    """Builds a tick's batch from its row lists. The metric and device columns
+    """Builds a tick's batch from its rows. The metric, device and gpu columns
     and the node identity are reused while the tick's layout repeats (see
     producers/host/columns.py): most ticks carry the same rows as the last."""
 
     def __init__(self, host: str):
         self.host = host
         self._identity = NodeIdentityColumns(host)
-        self._metric = RepeatingColumn()
-        self._device = RepeatingColumn()
-        self._gpu = RepeatingColumn(lambda gpus: np.array(gpus, dtype="<i2"))
+        self._layout = RepeatingColumn(_layout_columns)
         self._batch_id = BatchIds()
 
     def batch(self, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
         """Status rows, device rows, then process rows."""
         host = self.host
-        metric, device, value, interval, gpu = rows.metric, rows.device, rows.value, rows.interval, rows.gpu
+        layout, value, interval = rows.layout, rows.value, rows.interval
         if pending:
-            metric = [p[0] for p in pending] + metric
-            device = [p[1] for p in pending] + device
+            layout = [((p[0],), p[1], p[3]) for p in pending] + layout
             value = [p[2] for p in pending] + value
             interval = [0] * len(pending) + interval
-            gpu = [p[3] for p in pending] + gpu
-        n_node, procs = len(metric), rows.procs
+        n_node, procs = len(value), rows.procs
         n = n_node + len(procs)
         if not procs:
             columns = self._identity(n)
         else:
-            metric, device, value, interval, gpu = (
-                metric + [p[0] for p in procs], device + [p[1] for p in procs], value + [p[2] for p in procs],
-                interval + [p[3] for p in procs], gpu + [p[4] for p in procs])
+            layout = layout + [((p[0],), p[1], p[4]) for p in procs]
+            value = value + [p[2] for p in procs]
+            interval = interval + [p[3] for p in procs]
             columns = {"tenant": str_column([NODE_TENANT] * n_node + [p[6] or NODE_TENANT for p in procs]),
                        "job": str_column([host] * n_node + [p[7] or host for p in procs]),
                        "rank": np.array([NO_RANK] * n_node + [p[8] for p in procs], dtype="<i4"),
                        "pid": np.array([0] * n_node + [p[5] for p in procs], dtype="<i4")}
-        columns.update(ts_ns=np.full(n, now_ns, dtype="<i8"), gpu=self._gpu(gpu),
-                       metric=self._metric(metric), device=self._device(device),
-                       value=np.array(value, dtype="<f8"), interval_ns=np.array(interval, dtype="<i8"))
-        # Schema order, and a KeyError here (not in a consumer) if the schema grows a column.
-        return Batch(source="nvml", host=host, created_ns=now_ns, batch_id=self._batch_id(),
-                     columns={name: columns[name] for name in SOURCE_COLUMNS["nvml"]})
+        metric, device, gpu = self._layout(layout)
+        ts = np.empty(n, dtype=_I8)
+        ts.fill(now_ns)
+        return Batch(source="nvml", host=host, created_ns=now_ns, batch_id=self._batch_id(), columns={
+            "ts_ns": ts, "tenant": columns["tenant"], "job": columns["job"], "rank": columns["rank"],
+            "pid": columns["pid"], "gpu": gpu, "metric": metric, "device": device,
+            "value": np.array(value, dtype=_F8), "interval_ns": np.array(interval, dtype=_I8)})
