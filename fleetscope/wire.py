@@ -16,11 +16,17 @@ Numeric columns are raw little-endian arrays. String columns are
 dictionary-encoded (`StrColumn`): a JSON list of distinct values, then one
 u32 code per row. Nothing here loops per event, so encode and decode run at
 memory speed; see benchmarks/codec_bench.py.
+
+Samplers hand encode the same column objects tick after tick (producers/
+host/columns.py: metric names, devices, the node identity), made read-only.
+encode keeps the bytes of such a column, one whose array is read-only and
+owns its memory, and reuses them while the same object comes back read-only.
 """
 from __future__ import annotations
 
 import functools
 import json
+import json.encoder
 import struct
 import uuid
 import zlib
@@ -116,35 +122,72 @@ def _vocabulary(values: tuple[str, ...]) -> bytes:
     return json.dumps(list(values), separators=(",", ":")).encode()
 
 
+_json_str = json.encoder.encode_basestring_ascii  # a str as json.dumps writes it
+
+
+def _meta(batch: Batch) -> bytes:
+    """json.dumps of the metadata object, compact, written out directly: the same
+    bytes, without the encoder's setup on every batch."""
+    extras = json.dumps(batch.extras, separators=(",", ":")) if batch.extras else "{}"
+    return (f'{{"source":{_json_str(batch.source)},"host":{_json_str(batch.host)},'
+            f'"batch_id":{_json_str(batch.batch_id)},"created_ns":{int(batch.created_ns)},'
+            f'"extras":{extras}}}').encode()
+
+
+# (name, id(column)) -> (column, its encoded bytes), for immutable columns (see the
+# module docstring). Holding the column keeps its id from being reused.
+_FROZEN: dict[tuple[str, int], tuple[Column, bytes]] = {}
+_FROZEN_MAX = 128
+_FROZEN_BYTES = 1 << 16  # larger columns are encoded every time (bounds the cache's memory)
+
+
+def _immutable(col: Column) -> bool:
+    arr = col.codes if isinstance(col, StrColumn) else col
+    return isinstance(arr, np.ndarray) and not arr.flags.writeable and arr.base is None
+
+
 def encode(batch: Batch) -> bytes:
     """Serialize a batch. Raises WireError for columns it cannot carry."""
     if not batch.columns:
         raise WireError("a batch needs at least one column")
     if batch.count == 0:
         raise WireError("a batch needs at least one event; empty batches are not sent")
-    meta = json.dumps({"source": batch.source, "host": batch.host, "batch_id": batch.batch_id,
-                       "created_ns": int(batch.created_ns), "extras": batch.extras},
-                      separators=(",", ":")).encode()
+    meta = _meta(batch)
     parts = [_PREFIX.pack(MAGIC, SCHEMA_VERSION, len(batch.columns), batch.count, len(meta)), meta]
     for name, col in batch.columns.items():
-        raw_name = name.encode()
-        if not 0 < len(raw_name) < 256:
-            raise WireError(f"column name {name!r} must be 1..255 bytes")
-        if isinstance(col, StrColumn):
-            vocab = _vocabulary(tuple(col.values))
-            codes = np.ascontiguousarray(col.codes, dtype="<u4")
-            payload = [struct.pack("<I", len(vocab)), vocab, codes.tobytes()]
-            code, size = _STR_CODE, 4 + len(vocab) + codes.nbytes
-        else:
-            arr = np.asarray(col)
-            dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
-            if dt not in _CODE_OF_DTYPE or arr.ndim != 1:
-                raise WireError(f"column {name!r}: unsupported array {arr.dtype}/{arr.ndim}-d")
-            data = np.ascontiguousarray(arr, dtype=dt).tobytes()
-            payload, code, size = [data], _CODE_OF_DTYPE[dt], len(data)
-        parts += [_COL_HEAD.pack(len(raw_name)), raw_name, _COL_TYPE.pack(code, size), *payload]
+        key = (name, id(col))
+        kept = _FROZEN.get(key)
+        if kept is not None and kept[0] is col and _immutable(col):
+            parts.append(kept[1])
+            continue
+        part = _encode_column(name, col)
+        if len(part) <= _FROZEN_BYTES and _immutable(col):
+            _remember(_FROZEN, key, (col, part), _FROZEN_MAX)
+        parts.append(part)
     body = b"".join(parts)
     return body + _CRC.pack(zlib.crc32(body))
+
+
+def _encode_column(name: str, col: Column) -> bytes:
+    raw_name = name.encode()
+    if not 0 < len(raw_name) < 256:
+        raise WireError(f"column name {name!r} must be 1..255 bytes")
+    if isinstance(col, StrColumn):
+        vocab = _vocabulary(tuple(col.values))
+        codes = np.ascontiguousarray(col.codes, dtype="<u4")
+        payload = [_SIZE.pack(len(vocab)), vocab, codes.tobytes()]
+        code, size = _STR_CODE, 4 + len(vocab) + codes.nbytes
+    elif type(col) is np.ndarray and col.ndim == 1 and col.flags.c_contiguous and col.dtype in _CODE_OF_DTYPE:
+        data = col.tobytes()  # the usual numeric column: already little-endian, 1-d and contiguous
+        payload, code, size = [data], _CODE_OF_DTYPE[col.dtype], len(data)
+    else:
+        arr = np.asarray(col)
+        dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+        if dt not in _CODE_OF_DTYPE or arr.ndim != 1:
+            raise WireError(f"column {name!r}: unsupported array {arr.dtype}/{arr.ndim}-d")
+        data = np.ascontiguousarray(arr, dtype=dt).tobytes()
+        payload, code, size = [data], _CODE_OF_DTYPE[dt], len(data)
+    return b"".join([_COL_HEAD.pack(len(raw_name)), raw_name, _COL_TYPE.pack(code, size), *payload])
 
 
 def decode(value: bytes | memoryview | None, headers: Mapping[str, bytes] | list | None = None) -> Batch:
@@ -208,8 +251,8 @@ _CACHE_MAX = 4096  # entries per cache; producers repeat the same few columns an
 _VOCAB_CACHED_BYTES = 4096  # larger dictionaries are parsed every time (bounds the cache's memory)
 
 
-def _remember(cache: dict, key: bytes, value):
-    if len(cache) >= _CACHE_MAX:
+def _remember(cache: dict, key, value, limit: int = _CACHE_MAX):
+    if len(cache) >= limit:
         cache.clear()
     cache[key] = value
     return value
