@@ -497,3 +497,22 @@ def test_reused_columns_follow_a_layout_change(scenario, make_sampler):
     lost_at = next(i for i, rows in enumerate(out) if ("nvml.gpu_lost", "gpu1", 1.0) in statuses(rows))
     assert all({r["gpu"] for r in rows} == {0} for rows in out[lost_at + 1:])
     assert [r["metric"] for r in out[-1]] == [r["metric"] for r in out[-2]]
+
+
+def test_process_identity_columns_follow_a_changed_identity(scenario, make_sampler):
+    """The per-process identity columns are reused while the processes stay the
+    same; a pid whose job changes between reads carries the new one."""
+    scenario("device_count 1\ngpu 0 gpu_util 1\ngpu 0 mem_util 1\ngpu 0 proc 4242 4096\n")
+    resolver = FakeResolver({4242: ("acme", "train", 0)})
+    s = make_sampler(resolver=resolver)
+    first, second = checked(s.sample(SEC)), checked(s.sample(2 * SEC))
+    resolver.table[4242] = ("acme", "eval", 5)
+    third = checked(s.sample(3 * SEC))
+
+    def proc(rows):
+        (row,) = [r for r in rows if r["metric"] == "nvml.proc_mem_used"]
+        return row["tenant"], row["job"], row["rank"], row["pid"]
+    assert proc(first) == proc(second) == ("acme", "train", 0, 4242)
+    assert proc(third) == ("acme", "eval", 5, 4242)
+    assert {(r["tenant"], r["job"], r["rank"], r["pid"]) for r in third if r["metric"] != "nvml.proc_mem_used"
+            and r["pid"] == 0} == {(schema.NODE_TENANT, HOST, -1, 0)}

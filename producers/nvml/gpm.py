@@ -27,8 +27,8 @@ Its limits:
 from __future__ import annotations
 
 import ctypes
+import struct
 
-import numpy as np
 import pynvml
 
 # (metric id, name). Percentages are 0..100, rates MiB/s; all are averages over
@@ -64,16 +64,21 @@ def ofu_percent(tensor_util: float, sm_clock: float, sm_clock_max: float) -> flo
     return tensor_util * min(sm_clock / sm_clock_max, 1.0)
 
 
-_METRIC_DTYPE = np.dtype({"names": ["nvmlReturn", "value"], "formats": ["<u4", "<f8"], "offsets": [4, 8],
-                          "itemsize": ctypes.sizeof(pynvml.c_nvmlGpmMetric_t)})
+# One c_nvmlGpmMetric_t as (nvmlReturn, value): metricId u32, nvmlReturn u32, value f64, then metricInfo.
+_METRIC_SIZE = ctypes.sizeof(pynvml.c_nvmlGpmMetric_t)
+_METRIC = f"4xId{_METRIC_SIZE - 16}x"
+assert (pynvml.c_nvmlGpmMetric_t.nvmlReturn.offset, pynvml.c_nvmlGpmMetric_t.value.offset) == (4, 8)
 _METRICS_OFFSET = pynvml.c_nvmlGpmMetricsGet_t.metrics.offset
+# pynvml's structures wrap __setattr__ (for strings); the sample handles need none of that.
+_set_field = ctypes.Structure.__setattr__
 
 
 class GpmReader:
     """Two GPM sample buffers for one device; `read` yields metrics between ticks.
 
     The request struct (19 KB: room for every GPM metric) is built once and
-    reused; its results are read through a numpy view of the same memory.
+    reused; its results are read with one struct unpack of the same memory,
+    and the two C entry points are looked up once.
     """
 
     def __init__(self, handle):
@@ -81,6 +86,7 @@ class GpmReader:
         self.metrics = list(GPM_METRICS)  # shrinks as metrics prove unsupported
         self._prev = None
         self._cur = None
+        self._fn = self._sample_get = None
         self._build()
 
     def _build(self) -> None:
@@ -89,9 +95,8 @@ class GpmReader:
         request.numMetrics = len(self.metrics)
         for i, (metric_id, _) in enumerate(self.metrics):
             request.metrics[i].metricId = metric_id
-        self._view = np.frombuffer(request, dtype=_METRIC_DTYPE, count=len(self.metrics), offset=_METRICS_OFFSET)
+        self._unpack = struct.Struct("<" + _METRIC * len(self.metrics)).unpack_from
         self._names = tuple(name for _, name in self.metrics)
-        self._fn = None
 
     def read(self) -> tuple[list[str], list[float], list[tuple[str, int]]]:
         """(metric names, values, [(metric, nvmlReturn) for each that failed]).
@@ -104,20 +109,21 @@ class GpmReader:
             return [], [], []
         self._take(self._cur)
         request = self._request
-        request.sample1, request.sample2 = self._prev, self._cur
+        _set_field(request, "sample1", self._prev)
+        _set_field(request, "sample2", self._cur)
         if self._fn is None:
             self._fn = pynvml._nvmlGetFunctionPointer("nvmlGpmMetricsGet")
         ret = self._fn(ctypes.byref(request))
         self._prev, self._cur = self._cur, self._prev  # this sample starts the next interval
         if ret:
             raise pynvml.NVMLError(ret)
-        rets = self._view["nvmlReturn"]
-        if not rets.any():
-            return self._names, self._view["value"].tolist(), []
-        ok = rets == pynvml.NVML_SUCCESS
-        names = [n for n, good in zip(self._names, ok.tolist()) if good]
-        failed = [(n, int(r)) for n, r in zip(self._names, rets.tolist()) if r != pynvml.NVML_SUCCESS]
-        return names, self._view["value"][ok].tolist(), failed
+        flat = self._unpack(request, _METRICS_OFFSET)
+        rets, values = flat[0::2], flat[1::2]
+        if not any(rets):
+            return self._names, list(values), []
+        names = [n for n, r in zip(self._names, rets) if not r]
+        failed = [(n, r) for n, r in zip(self._names, rets) if r]
+        return names, [v for v, r in zip(values, rets) if not r], failed
 
     def drop(self, name: str) -> None:
         self.metrics = [(mid, n) for mid, n in self.metrics if n != name]
@@ -125,7 +131,11 @@ class GpmReader:
 
     def _take(self, sample) -> None:
         try:
-            pynvml.nvmlGpmSampleGet(self.handle, sample)
+            if self._sample_get is None:
+                self._sample_get = pynvml._nvmlGetFunctionPointer("nvmlGpmSampleGet")
+            ret = self._sample_get(self.handle, sample)
+            if ret:
+                raise pynvml.NVMLError(ret)
         except pynvml.NVMLError:
             self.close()  # a half-taken pair would pair samples across a gap
             raise

@@ -475,7 +475,17 @@ class _Columns:
         self.host = host
         self._identity = NodeIdentityColumns(host)
         self._layout = RepeatingColumn(_layout_columns)
+        self._proc_identity = RepeatingColumn(self._identity_columns)
         self._batch_id = BatchIds()
+
+    def _identity_columns(self, key: tuple) -> tuple:
+        """tenant, job, rank and pid for n_node node rows, then one row per (pid, tenant, job, rank)."""
+        n_node, idents = key
+        host = self.host
+        return (str_column([NODE_TENANT] * n_node + [tenant or NODE_TENANT for _, tenant, _, _ in idents]),
+                str_column([host] * n_node + [job or host for _, _, job, _ in idents]),
+                np.array([NO_RANK] * n_node + [rank for _, _, _, rank in idents], dtype="<i4"),
+                np.array([0] * n_node + [pid for pid, _, _, _ in idents], dtype="<i4"))
 
     def batch(self, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
         """Status rows, device rows, then process rows."""
@@ -493,10 +503,9 @@ class _Columns:
             layout = layout + [((p[0],), p[1], p[4]) for p in procs]
             value = value + [p[2] for p in procs]
             interval = interval + [p[3] for p in procs]
-            columns = {"tenant": str_column([NODE_TENANT] * n_node + [p[6] or NODE_TENANT for p in procs]),
-                       "job": str_column([host] * n_node + [p[7] or host for p in procs]),
-                       "rank": np.array([NO_RANK] * n_node + [p[8] for p in procs], dtype="<i4"),
-                       "pid": np.array([0] * n_node + [p[5] for p in procs], dtype="<i4")}
+            # Kept per layout too: the same processes usually hold the GPUs from one read to the next.
+            tenant, job, rank, pid = self._proc_identity((n_node, tuple(p[5:] for p in procs)))
+            columns = {"tenant": tenant, "job": job, "rank": rank, "pid": pid}
         metric, device, gpu = self._layout(layout)
         ts = np.empty(n, dtype=_I8)
         ts.fill(now_ns)
