@@ -221,7 +221,7 @@ def test_a_source_that_joins_after_calibration_is_admitted_without_flagging_the_
             for r, d in rows:
                 for i in range(4):
                     cv = 0.001 if w < joins + 4 else 0.05
-                    d[f"late.x{i}"] = 100.0 * (1 + cv * rng.standard_normal()) * (0.3 if (w >= fault and r == 1 and i == 2) else 1)
+                    d[f"late.x{i}"] = 100.0 * (1 + cv * rng.standard_normal()) * (0.2 if (w >= fault and r == 1 and i == 2) else 1)
         windows.append(model.process_window(w * 1_000_000_000, rows))
     assert flagged_windows(windows, joins, fault) <= 3
     assert model.stats["features_admitted"] == 14 and model.stats["regime_windows_learned"] == 0

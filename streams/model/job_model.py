@@ -66,7 +66,7 @@ class JobModel:
 
     def _new_threshold(self) -> DSpot:
         c = self.config
-        return DSpot(risk=c.risk, level=c.tail_level, depth=c.dspot_depth)
+        return DSpot(risk=c.risk, level=c.tail_level, depth=c.dspot_depth, tail_uncertainty=c.tail_uncertainty)
 
     def _grow(self, d: int) -> None:
         self.scaler.grow(d)

@@ -20,6 +20,13 @@ threshold 4.8e5 against healthy scores near 0 and a fault at 354). Calibration
 therefore caps warm-up scores at median + ``warm_clip_mads`` robust deviations
 (1.4826 * MAD) first, as the stream never learns an alarm either.
 
+With few peaks the fitted scale is itself uncertain (its standard error is
+about sigma / sqrt(N_peaks)), and a threshold read from a 45-score warm-up
+alarmed at about 4x its risk on simulated healthy scores. ``tail_uncertainty``
+widens the scale used for the threshold to sigma * (1 + c / sqrt(N_peaks)): a
+one-standard-error margin at c = 1 (the default), which brings that rate back
+to about the risk and fades as peaks accumulate.
+
 The GPD is fitted by the method of moments (closed form, cheap enough to
 refit on every peak); gamma is clipped to [-0.5, 0.5] since a few dozen peaks
 cannot support more. Memory is bounded: at most ``max_peaks`` peaks are
@@ -33,8 +40,9 @@ import numpy as np
 class DSpot:
     def __init__(self, risk: float = 1e-3, level: float = 0.98, depth: int = 200,
                  max_peaks: int = 2000, max_init: int = 5000, gamma_min: float = 0.0,
-                 warm_clip_mads: float = 10.0):
+                 warm_clip_mads: float = 10.0, tail_uncertainty: float = 0.0):
         self.gamma_min = gamma_min
+        self.tail_uncertainty = tail_uncertainty
         self.warm_clip_mads = warm_clip_mads
         self.risk = risk
         self.level = level
@@ -68,10 +76,11 @@ class DSpot:
                 self.gamma = float(np.clip(0.5 * (1.0 - r), self.gamma_min, 0.5))
                 self.sigma = max(m * (1.0 - self.gamma), 1e-9)
         ratio = self.risk * self.n / max(y.size, 1)
+        sigma = self.sigma * (1.0 + self.tail_uncertainty / np.sqrt(max(y.size, 1)))
         if abs(self.gamma) < 1e-6:
-            self.z = self.u - self.sigma * np.log(ratio)
+            self.z = self.u - sigma * np.log(ratio)
         else:
-            self.z = self.u + self.sigma / self.gamma * (ratio ** -self.gamma - 1.0)
+            self.z = self.u + sigma / self.gamma * (ratio ** -self.gamma - 1.0)
         self.z = max(self.z, self.u)
 
     # -------------------------------------------------------------- public
