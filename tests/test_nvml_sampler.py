@@ -21,6 +21,7 @@ import pynvml
 import pytest
 
 from fleetscope import schema, wire
+from producers.nvml.calls import DeviceCalls
 from producers.nvml.device_metrics import THROTTLE_FLAGS
 from producers.nvml.gpm import GPM_METRICS
 from producers.nvml.sampler import NvmlSampler
@@ -516,3 +517,17 @@ def test_process_identity_columns_follow_a_changed_identity(scenario, make_sampl
     assert proc(third) == ("acme", "eval", 5, 4242)
     assert {(r["tenant"], r["job"], r["rank"], r["pid"]) for r in third if r["metric"] != "nvml.proc_mem_used"
             and r["pid"] == 0} == {(schema.NODE_TENANT, HOST, -1, 0)}
+
+
+def test_more_processes_than_the_kept_buffer_holds_are_all_read(scenario, make_sampler, monkeypatch):
+    """The process list and utilization buffers start small and grow when NVML asks for more."""
+    monkeypatch.setattr(DeviceCalls, "LIST_START", 2)
+    pids = range(5000, 5012)
+    scenario("device_count 1\ngpu 0 gpu_util 1\ngpu 0 mem_util 1\n"
+             + "".join(f"gpu 0 proc {pid} {pid}\ngpu 0 putil {pid} 50 5\n" for pid in pids))
+    s = make_sampler()
+    for t in (1, 2):  # the second read reuses the grown buffers
+        rows = checked(s.sample(t * SEC))
+        mem = {r["pid"]: r["value"] for r in rows if r["metric"] == "nvml.proc_mem_used"}
+        assert mem == {pid: float(pid) for pid in pids}
+        assert {r["pid"] for r in rows if r["metric"] == "nvml.proc_sm_util"} == set(pids)

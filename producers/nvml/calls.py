@@ -13,8 +13,12 @@ The out-parameters are read back with one struct unpack of their memory:
 pynvml's structures override __getattribute__ (for printing), which makes
 each field read cost about as much as the C call itself.
 
-Calls made once a second or less (process lists, GPM support, handles) stay
-on pynvml's wrappers: there the convenience costs nothing that matters.
+The process list and per-process utilization (once a second) are also
+direct: pynvml asks for the count first, then builds an object per process
+through __getattribute__, which on a cold cache made the once-a-second tick
+cost about twice a fast one. Here each device keeps a buffer, one call fills
+it (a second only when more processes than ever before hold the GPU) and one
+struct pass reads it. Rarer calls (GPM support, handles) stay on pynvml.
 """
 from __future__ import annotations
 
@@ -28,11 +32,21 @@ _UTILIZATION = struct.Struct("<II")
 _MEMORY = struct.Struct("<QQQ")
 assert _UTILIZATION.size == ctypes.sizeof(pynvml.c_nvmlUtilization_t)
 assert _MEMORY.size == ctypes.sizeof(pynvml.c_nvmlMemory_t)
+# c_nvmlProcessInfo_v3_t as (pid, usedGpuMemory); c_nvmlProcessUtilizationSample_t as (pid, timeStamp, smUtil, memUtil).
+_PROCESS = struct.Struct("<I4xQ8x")
+_PROCESS_UTIL = struct.Struct("<I4xQII8x")
+assert _PROCESS.size == ctypes.sizeof(pynvml.c_nvmlProcessInfo_v3_t)
+assert pynvml.c_nvmlProcessInfo_v3_t.usedGpuMemory.offset == 8
+assert _PROCESS_UTIL.size == ctypes.sizeof(pynvml.c_nvmlProcessUtilizationSample_t)
+assert (pynvml.c_nvmlProcessUtilizationSample_t.timeStamp.offset, pynvml.c_nvmlProcessUtilizationSample_t.smUtil.offset,
+        pynvml.c_nvmlProcessUtilizationSample_t.memUtil.offset) == (8, 16, 20)
+_NO_MEMORY = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value  # the driver cannot attribute memory (WDDM)
 
 _NAMES = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetClockInfo",
           "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage",
           "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPcieReplayCounter",
-          "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetFieldValues")
+          "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetFieldValues", "nvmlDeviceGetComputeRunningProcesses_v3",
+          "nvmlDeviceGetProcessUtilization")
 
 
 class EntryPoints:
@@ -66,6 +80,8 @@ class EntryPoints:
 class DeviceCalls:
     """One device's per-tick calls. Each returns plain numbers or raises NVMLError."""
 
+    LIST_START = 16  # entries in a new process-list buffer; it grows on demand
+
     def __init__(self, handle, entry: EntryPoints):
         self.handle = handle
         self._entry = entry
@@ -79,6 +95,9 @@ class DeviceCalls:
         self._fn_mem = entry("nvmlDeviceGetMemoryInfo")
         self._fn_clock = entry("nvmlDeviceGetClockInfo")
         self._fn_throttle = None
+        self._lists = {}  # entry point name -> [buffer, its capacity in entries]
+        self._count = ctypes.c_uint()
+        self._count_ref = ctypes.byref(self._count)
 
     def utilization(self) -> tuple[int, int]:
         ret = self._fn_util(self.handle, self._util_ref)
@@ -149,3 +168,44 @@ class DeviceCalls:
         if ret:
             raise pynvml.NVMLError(ret)
         return self._ull.value
+
+    def processes(self) -> list[tuple[int, int | None]]:
+        """(pid, used GPU memory in bytes, or None where the driver cannot attribute it) per compute process."""
+        n, buf = self._list("nvmlDeviceGetComputeRunningProcesses_v3", pynvml.c_nvmlProcessInfo_v3_t)
+        return [(pid, None if mem == _NO_MEMORY else mem)
+                for pid, mem in _PROCESS.iter_unpack(ctypes.string_at(buf, n * _PROCESS.size))]
+
+    def process_utilization(self, last_seen_us: int) -> list[tuple[int, int, int, int]]:
+        """(pid, timeStamp in us, SM util %, memory util %) per sample newer than last_seen_us; [] when NVML holds none."""
+        try:
+            n, buf = self._list("nvmlDeviceGetProcessUtilization", pynvml.c_nvmlProcessUtilizationSample_t,
+                                ctypes.c_ulonglong(last_seen_us))
+        except pynvml.NVMLError_NotFound:
+            return []  # NVML's way of saying it holds no samples newer than last_seen_us
+        return list(_PROCESS_UTIL.iter_unpack(ctypes.string_at(buf, n * _PROCESS_UTIL.size)))
+
+    def _list(self, name: str, entry_type, *args) -> tuple[int, object]:
+        """NVML's (device, buffer, *count[, args]) list calls, into a buffer kept per call.
+
+        The buffer grows when NVML says INSUFFICIENT_SIZE (and how many it
+        needs); processes can start between the two calls, so it asks a few times.
+        (The process list takes (device, *count, buffer); utilization takes
+        (device, buffer, *count, ...); `args` tells them apart.)"""
+        kept = self._lists.get(name)
+        if kept is None:
+            kept = self._lists[name] = [(entry_type * self.LIST_START)(), self.LIST_START]
+        fn = self._entry(name)
+        for _ in range(4):
+            buf, capacity = kept
+            self._count.value = capacity
+            if args:
+                ret = fn(self.handle, buf, self._count_ref, *args)
+            else:
+                ret = fn(self.handle, self._count_ref, buf)
+            if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                break
+            capacity = max(self._count.value * 2 + 5, capacity * 2)
+            kept[:] = [(entry_type * capacity)(), capacity]
+        if ret:
+            raise pynvml.NVMLError(ret)
+        return min(self._count.value, kept[1]), kept[0]

@@ -340,28 +340,28 @@ class NvmlSampler:
 
     def _sample_processes(self, dev: _Device, rows: _Rows, identities: dict) -> None:
         """Process memory and utilization, then this interval's energy split over them (slow cadence)."""
-        procs = self._call(dev, "processes", pynvml.nvmlDeviceGetComputeRunningProcesses, dev.handle) \
-            if "processes" not in dev.unsupported else None
+        calls = dev.calls
+        procs = self._call(dev, "processes", calls.processes) if "processes" not in dev.unsupported else None
         present: set[int] = set()
-        for p in procs or ():
-            present.add(p.pid)
-            if p.usedGpuMemory is not None:  # None: the driver cannot attribute memory (WDDM)
-                self._proc_row(rows, "nvml.proc_mem_used", dev, p.pid, float(p.usedGpuMemory), 0, identities)
+        for pid, mem in procs or ():
+            present.add(pid)
+            if mem is not None:  # None: the driver cannot attribute memory (WDDM)
+                self._proc_row(rows, "nvml.proc_mem_used", dev, pid, float(mem), 0, identities)
         util: dict[int, float] = {}
         samples = None
         if "process_util" not in dev.unsupported:
-            samples = self._call(dev, "process_util", _process_samples, dev.handle, dev.last_putil_us)
+            samples = self._call(dev, "process_util", calls.process_utilization, dev.last_putil_us)
         if dev.lost:
             return
         if samples:
             # NVML holds several samples per pid between slow reads: average them over the interval.
             sums: dict[int, list[float]] = {}
-            for s in samples:
-                acc = sums.setdefault(s.pid, [0.0, 0.0, 0])
-                acc[0] += s.smUtil
-                acc[1] += s.memUtil
+            for pid, _, sm_util, mem_util in samples:
+                acc = sums.setdefault(pid, [0.0, 0.0, 0])
+                acc[0] += sm_util
+                acc[1] += mem_util
                 acc[2] += 1
-            dev.last_putil_us = max(s.timeStamp for s in samples)
+            dev.last_putil_us = max(stamp for _, stamp, _, _ in samples)
             for pid, (sm, mem, n) in sums.items():
                 util[pid] = sm / n
                 self._proc_row(rows, "nvml.proc_sm_util", dev, pid, sm / n, 0, identities)
@@ -443,13 +443,6 @@ class NvmlSampler:
             return None, None, NO_RANK
         rank = getattr(ident, "rank", None)
         return ident.tenant or None, ident.job or None, NO_RANK if rank is None else int(rank)
-
-
-def _process_samples(handle, last_seen_us: int) -> list:
-    try:
-        return pynvml.nvmlDeviceGetProcessUtilization(handle, last_seen_us)
-    except pynvml.NVMLError_NotFound:
-        return []  # NVML's way of saying it holds no samples newer than last_seen_us
 
 
 _I8, _F8 = np.dtype("<i8"), np.dtype("<f8")
