@@ -531,3 +531,18 @@ def test_more_processes_than_the_kept_buffer_holds_are_all_read(scenario, make_s
         mem = {r["pid"]: r["value"] for r in rows if r["metric"] == "nvml.proc_mem_used"}
         assert mem == {pid: float(pid) for pid in pids}
         assert {r["pid"] for r in rows if r["metric"] == "nvml.proc_sm_util"} == set(pids)
+
+
+def test_cadence_groups_come_due_on_time_across_many_ticks(scenario, make_sampler):
+    """Between slower reads the sampler answers 'only the every-tick group' from
+    one comparison; temperature (1 s) and memory total (10 s) still come on time,
+    and a group with interval 0 is read every tick."""
+    scenario("device_count 1\ngpu 0 gpu_util 1\ngpu 0 mem_util 1\ngpu 0 temp_c 61\ngpu 0 mem_total 1000\n"
+             "gpu 0 mem_used 10\n")
+    out = ticks(make_sampler(), 25, step_ns=SEC // 10)
+    has = [{r["metric"] for r in rows} for rows in out]
+    assert [i for i, m in enumerate(has) if "nvml.temp_c" in m] == [0, 10, 20]
+    assert [i for i, m in enumerate(has) if "nvml.mem_total" in m] == [0]
+    assert all("nvml.gpu_util" in m for m in has)
+    every = ticks(make_sampler(slow_interval_ns=0), 5, step_ns=SEC // 10)
+    assert all(any(r["metric"] == "nvml.temp_c" for r in rows) for rows in every)

@@ -76,6 +76,8 @@ GETTERS = (
 _TICK_GETTERS = frozenset(name for name, group, _, _ in GETTERS if group == TICK)
 _TICK_METRICS = tuple(m for name, _, metrics, _ in GETTERS if name in _TICK_GETTERS for m in metrics)
 assert all(group == TICK for _, group, _, _ in GETTERS[:len(_TICK_GETTERS)]), "TICK getters lead GETTERS"
+_TICK_ONLY = ({TICK: True, SLOW: False, STATIC: False, PCIE: False, GPM: False},
+              [getter for getter in GETTERS if getter[1] == TICK])
 
 
 @dataclass
@@ -142,6 +144,7 @@ class NvmlSampler:
         self._pending: list[tuple] = []  # status rows for the next batch: (metric, device, value, gpu)
         self._devices: list[_Device] = []
         self._last_read: dict[str, int] = {}  # cadence group -> ns of its last read
+        self._quiet_until = 0  # until then, only the TICK group is due (see _due)
         self._active = False
         self._opened = False
         self._columns = _Columns(host)
@@ -189,8 +192,7 @@ class NvmlSampler:
         rows = _Rows()
         if self._active:
             identities: dict[int, tuple] = {}
-            due = self._due(now_ns)
-            getters = [getter for getter in GETTERS if due[getter[1]]]  # the same for every GPU
+            due, getters = self._due(now_ns)
             for dev in self._devices:
                 if not dev.lost:
                     self._sample_device(dev, now_ns, due, getters, rows, identities)
@@ -209,15 +211,24 @@ class NvmlSampler:
 
     # -- one device --------------------------------------------------------
 
-    def _due(self, now_ns: int) -> dict[str, bool]:
-        """Which cadence groups this tick reads (the same for every GPU)."""
+    def _due(self, now_ns: int) -> tuple[dict[str, bool], list]:
+        """Which cadence groups this tick reads, and the GETTERS among them (the same for every GPU).
+
+        Most ticks read the TICK group only: until the first slower group
+        comes due (and unless the clock went back), that answer is kept."""
+        last_read = self._last_read
+        if last_read.get(TICK, now_ns + 1) <= now_ns < self._quiet_until:
+            last_read[TICK] = now_ns
+            return _TICK_ONLY
         due = {}
         for group, interval in self.intervals.items():
-            last = self._last_read.get(group)
+            last = last_read.get(group)
             due[group] = last is None or now_ns - last >= interval * _DUE_SLACK
             if due[group]:
-                self._last_read[group] = now_ns
-        return due
+                last_read[group] = now_ns
+        self._quiet_until = min((last_read[group] + interval * _DUE_SLACK
+                                 for group, interval in self.intervals.items() if group != TICK), default=0)
+        return due, [getter for getter in GETTERS if due[getter[1]]]
 
     def _sample_device(self, dev: _Device, now_ns: int, due: dict, getters: list, rows: _Rows,
                        identities: dict) -> None:
