@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install up demo test bench bench-codec bench-pipeline bench-sampler bench-probes bench-torch \
-        bench-model bench-scoring bench-scenarios
+        bench-ddp-overhead bench-model bench-scoring bench-scenarios
 
 install:
 	bash install.sh
@@ -35,6 +35,10 @@ bench-probes:
 
 bench-torch:
 	$(PY) benchmarks/torch_overhead_bench.py
+
+# 10-13 minutes: a 2-rank DDP job with no agent, a sampling agent, and a tracing agent, interleaved
+bench-ddp-overhead:
+	$(PY) benchmarks/ddp_overhead_bench.py
 
 bench-model:
 	$(PY) benchmarks/model_bench.py

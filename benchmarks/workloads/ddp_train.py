@@ -9,6 +9,8 @@ At the end each rank prints one JSON line to stdout (and writes it to
 `$FLEETSCOPE_WORKLOAD_RESULT_DIR/rank<RANK>.json` when that is set):
     {"workload": "ddp_train", "rank": 0, "world_size": 2, "steps": 50, "elapsed_s": 2.1,
      "steps_per_s": 23.8, "pid": 1234, "faults_seen": [...]}
+With `--progress-s S`, rank 0 also prints {"progress_steps": N, "t_monotonic": T} every S
+seconds while it trains, so a reader can time any stretch of a long run.
 
 Opt-in fault knobs (the workload is ours; the fault injector never edits this code).
 Some faults live inside a training process and cannot be caused from outside without
@@ -50,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress-s", type=float, default=0.0,
+                   help="rank 0 prints its step count and CLOCK_MONOTONIC every this many seconds (0: never)")
     args = p.parse_args(argv)
     if args.steps <= 0 and args.duration_s <= 0:
         p.error("give --steps > 0 or --duration-s > 0")
@@ -206,6 +210,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     deadline = t0 + args.duration_s
     steps = 0
+    progress_at = t0 + args.progress_s if args.progress_s > 0 and rank == 0 else float("inf")
     while (steps < args.steps) if args.steps > 0 else not all_ranks_past(deadline):
         knobs = control.poll()
         apply_knobs(knobs, storage)  # the input pipeline and the interpreter, before the batch is used
@@ -215,6 +220,9 @@ def main(argv=None) -> int:
         loss.backward()  # DDP all-reduces gradients here over gloo
         opt.step()
         steps += 1
+        if (now := time.monotonic()) >= progress_at:
+            print(json.dumps({"progress_steps": steps, "t_monotonic": now}), flush=True)
+            progress_at = now + args.progress_s
         if sleep_s > 0:
             time.sleep(sleep_s)
     elapsed = time.monotonic() - t0
