@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -389,6 +390,7 @@ def main(argv=None) -> int:
     finally:
         if job is not None:
             job.stop()
+            shutil.rmtree(job.result_dir, ignore_errors=True)  # stopped, not waited for: launch leaves it
         if broker is not None:
             broker.stop()
     code1 = code_state()
