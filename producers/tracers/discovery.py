@@ -75,6 +75,25 @@ def process_cmdline(pid: int) -> str:
         return ""
 
 
+def library_stamp(pid: int) -> int | None:
+    """What changes when a process maps another shared library: its VmLib (kB of library
+    code mapped) from /proc/<pid>/status; -1 without one (a kernel thread), None if it is gone.
+
+    A dlopen of libcudart, libnccl or libtorch raises VmLib; heap growth, thread stacks
+    and anonymous mappings do not. So a process that was checked and rejected need not have
+    its maps (thousands of lines for a PyTorch process) read again until this changes."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmLib:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    except (OSError, ValueError, IndexError):
+        return None
+    return -1
+
+
 def all_pids() -> list[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
@@ -103,19 +122,37 @@ class ProcessWatcher:
     """Follows the targets over time: `poll()` reports pids that appeared and pids that ended.
 
     A process that matches only later (it dlopens libcudart after start) is
-    reported on the first poll after the mapping appears; one the agent saw
-    and rejected is re-checked every poll, which costs one maps read each.
+    reported on the first poll after the mapping appears. One the agent saw
+    and rejected is checked again only when its library stamp (VmLib) moved:
+    re-reading every process's maps on every poll was half of the agent's CPU
+    on a 2-rank PyTorch job (py-spy, full tracing). A name-pattern spec is
+    re-checked every poll: an exec changes the name without always changing VmLib.
     """
 
     def __init__(self, spec: TargetSpec, exclude: Iterable[int] = ()):
         self.spec = spec
         self.exclude = {os.getpid(), *exclude}
         self.current: set[int] = set()
+        self.rejected: dict[int, int] = {}     # pid -> library stamp when it did not match
+
+    def _matches(self, pid: int) -> bool:
+        if self.spec.name_pattern or pid in self.spec.pids:
+            return self.spec.matches(pid)
+        stamp = library_stamp(pid)
+        if stamp is None or self.rejected.get(pid) == stamp:
+            return False
+        if self.spec.matches(pid):
+            self.rejected.pop(pid, None)
+            return True
+        self.rejected[pid] = stamp
+        return False
 
     def poll(self) -> tuple[set[int], set[int]]:
         alive = set(all_pids())
         candidates = (set(self.spec.pids) & alive) if not (self.spec.auto or self.spec.name_pattern) else alive
-        found = {pid for pid in candidates - self.exclude - self.current if self.spec.matches(pid)}
+        found = {pid for pid in candidates - self.exclude - self.current if self._matches(pid)}
         ended = self.current - alive
         self.current = (self.current - ended) | found
+        for pid in [p for p in self.rejected if p not in alive]:
+            del self.rejected[pid]
         return found, ended

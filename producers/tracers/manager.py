@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 
-from producers.tracers.discovery import ProcessWatcher, TargetSpec
+from producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
 from producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, process_cpu_seconds
 from producers.tracers.kernel import TracerUnavailable
 
@@ -82,7 +82,8 @@ class TracerManager:
                           auto=cfg.trace_auto)
         self.watcher = ProcessWatcher(spec)
         self.attached: dict[str, set[int]] = {name: set() for name in self.tracers}
-        self.waiting: dict[str, set[int]] = {name: set() for name in self.tracers}  # not mapping the library yet
+        # not mapping the tracer's library yet: pid -> library stamp at that attempt (retried when it moves)
+        self.waiting: dict[str, dict[int, int | None]] = {name: {} for name in self.tracers}
         self.last_decision = None
         self.errors = 0
         self._cpu_prev: dict[int, float] = {}
@@ -105,21 +106,27 @@ class TracerManager:
         found, ended = self.watcher.poll()
         for pid in ended:
             for name, tracer in self.tracers.items():
-                self.waiting[name].discard(pid)
+                self.waiting[name].pop(pid, None)
                 if pid in self.attached[name]:
                     self.attached[name].discard(pid)
                     self._call(name, tracer.remove_pid, pid)
+        stamps: dict[int, int | None] = {}
         for name, tracer in self.tracers.items():
-            for pid in sorted(found | self.waiting[name]):
+            waiting = self.waiting[name]
+            for pid in sorted(found | waiting.keys()):
                 if pid in self.attached[name]:
                     continue
+                if pid not in stamps:
+                    stamps[pid] = library_stamp(pid)
+                if pid in waiting and waiting[pid] == stamps[pid]:
+                    continue  # no library mapped since the last attempt
                 ok = self._call(name, tracer.add_pid, pid)
                 if ok is FAILED:  # it raised (logged); not retried
                     continue
                 if ok is False:  # not mapping the library yet
-                    self.waiting[name].add(pid)
+                    waiting[pid] = stamps[pid]
                 else:  # True, or None from tracers whose add_pid returns nothing
-                    self.waiting[name].discard(pid)
+                    waiting.pop(pid, None)
                     self.attached[name].add(pid)
                     log.info("tracing pid %d with the %s tracer", pid, name)
 

@@ -1,0 +1,48 @@
+"""ProcessWatcher on real processes: a process that dlopens libcudart after it started is
+found on the first poll after the mapping appears, and a rejected process's maps are read
+again only when its library stamp (VmLib) moves. The CUDA library is the test stand-in
+(tests/gpu_stub: no GPU here); the processes, /proc and the dlopen are real."""
+from __future__ import annotations
+
+import pytest
+from gpu_stub.build import Workload, build
+
+from producers.tracers import discovery
+from producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("gpu_stub"))
+
+
+def test_a_late_dlopen_is_found_and_a_rejected_process_is_not_reread(stubs, monkeypatch):
+    w = Workload(stubs, "cuda", 1, 0, delay_ms=400)
+    try:
+        reads = []
+        real = discovery.mapped_objects
+        monkeypatch.setattr(discovery, "mapped_objects", lambda pid: (reads.append(pid), real(pid))[1])
+        watcher = ProcessWatcher(TargetSpec(auto=True))
+        found, _ = watcher.poll()
+        assert w.pid not in found and w.pid in watcher.rejected
+        before = library_stamp(w.pid)
+        reads.clear()
+        for _ in range(3):                                # nothing mapped since: no maps read for it
+            found, _ = watcher.poll()
+            assert w.pid not in found
+        assert w.pid not in reads
+        w.loaded()                                        # dlopen(libcudart stand-in)
+        assert library_stamp(w.pid) > before
+        found, _ = watcher.poll()
+        assert w.pid in found and w.pid not in watcher.rejected
+        w.go()
+        w.finish()
+    finally:
+        w.kill()
+    watcher.poll()
+    assert w.pid not in watcher.rejected                  # forgotten once it is gone
+
+
+def test_library_stamp_of_a_gone_process_and_a_kernel_thread():
+    assert library_stamp(2**22 + 12345) is None
+    assert library_stamp(2) == -1                         # kthreadd: no VmLib line
