@@ -22,17 +22,23 @@ def test_a_late_dlopen_is_found_and_a_rejected_process_is_not_reread(stubs, monk
         reads = []
         real = discovery.mapped_objects
         monkeypatch.setattr(discovery, "mapped_objects", lambda pid: (reads.append(pid), real(pid))[1])
-        watcher = ProcessWatcher(TargetSpec(auto=True))
+        now = [0.0]
+        watcher = ProcessWatcher(TargetSpec(auto=True), recheck_s=5.0, clock=lambda: now[0])
         found, _ = watcher.poll()
         assert w.pid not in found and w.pid in watcher.rejected
         before = library_stamp(w.pid)
         reads.clear()
         for _ in range(3):                                # nothing mapped since: no maps read for it
+            now[0] += 6.0
             found, _ = watcher.poll()
             assert w.pid not in found
         assert w.pid not in reads
         w.loaded()                                        # dlopen(libcudart stand-in)
         assert library_stamp(w.pid) > before
+        now[0] += 1.0
+        found, _ = watcher.poll()
+        assert w.pid not in found                         # looked at again only every recheck_s
+        now[0] += 5.0
         found, _ = watcher.poll()
         assert w.pid in found and w.pid not in watcher.rejected
         w.go()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -122,35 +123,48 @@ class ProcessWatcher:
     """Follows the targets over time: `poll()` reports pids that appeared and pids that ended.
 
     A process that matches only later (it dlopens libcudart after start) is
-    reported on the first poll after the mapping appears. One the agent saw
-    and rejected is checked again only when its library stamp (VmLib) moved:
-    re-reading every process's maps on every poll was half of the agent's CPU
-    on a 2-rank PyTorch job (py-spy, full tracing). A name-pattern spec is
-    re-checked every poll: an exec changes the name without always changing VmLib.
+    reported within ``recheck_s`` of the mapping appearing. One the agent saw
+    and rejected is looked at again every ``recheck_s``, and its maps are read
+    again only when its library stamp (VmLib) moved: re-reading every process's
+    maps on every poll was half of the agent's CPU on a 2-rank PyTorch job
+    (py-spy, full tracing), and the stamps of every process every poll the
+    largest part of what was left. A new pid is checked on the poll that first
+    sees it. A name-pattern spec is re-checked every poll: an exec changes the
+    name without always changing VmLib.
     """
 
-    def __init__(self, spec: TargetSpec, exclude: Iterable[int] = ()):
+    def __init__(self, spec: TargetSpec, exclude: Iterable[int] = (), recheck_s: float = 5.0,
+                 clock=time.monotonic):
         self.spec = spec
         self.exclude = {os.getpid(), *exclude}
         self.current: set[int] = set()
-        self.rejected: dict[int, int] = {}     # pid -> library stamp when it did not match
+        self.recheck_s = recheck_s
+        self.clock = clock
+        self.rejected: dict[int, tuple[int, float]] = {}   # pid -> (library stamp, when) it did not match
 
-    def _matches(self, pid: int) -> bool:
+    def _matches(self, pid: int, now: float) -> bool:
         if self.spec.name_pattern or pid in self.spec.pids:
             return self.spec.matches(pid)
+        seen = self.rejected.get(pid)
+        if seen is not None and now - seen[1] < self.recheck_s:
+            return False
         stamp = library_stamp(pid)
-        if stamp is None or self.rejected.get(pid) == stamp:
+        if stamp is None:
+            return False
+        if seen is not None and seen[0] == stamp:
+            self.rejected[pid] = (stamp, now)
             return False
         if self.spec.matches(pid):
             self.rejected.pop(pid, None)
             return True
-        self.rejected[pid] = stamp
+        self.rejected[pid] = (stamp, now)
         return False
 
     def poll(self) -> tuple[set[int], set[int]]:
         alive = set(all_pids())
         candidates = (set(self.spec.pids) & alive) if not (self.spec.auto or self.spec.name_pattern) else alive
-        found = {pid for pid in candidates - self.exclude - self.current if self._matches(pid)}
+        now = self.clock()
+        found = {pid for pid in candidates - self.exclude - self.current if self._matches(pid, now)}
         ended = self.current - alive
         self.current = (self.current - ended) | found
         for pid in [p for p in self.rejected if p not in alive]:
