@@ -229,3 +229,29 @@ def test_a_source_that_joins_after_calibration_is_admitted_without_flagging_the_
     assert delay is not None and delay <= 2
     hit = windows[fault + delay][1]
     assert "gmm" in hit.detectors and "late.x2" in hit.contributions
+
+
+def test_every_score_reads_zero_where_its_mask_is_false():
+    """The density code reads a masked cell as 0. A feature that becomes usable while a late
+    feature's round runs is neither scored nor pending: its standardized values must not reach
+    the scored or the shadow scores. Checked on every call the job model makes."""
+    cfg = ModelConfig(detectors=("gmm", "peer", "mahalanobis"), rule="gmm")
+    job = SyntheticJob(n_ranks=3, seed=4)
+    model = JobModel(cfg)
+    calls = []
+    for g in (model.gmm, model.mahal.g):
+        real = g.score
+
+        def checked(Z, M, real=real):
+            calls.append(bool((Z[~M] == 0).all()))
+            return real(Z, M)
+        g.score = checked
+    rng = np.random.default_rng(4)
+    for w in range(80):
+        rows = job.window(None, {r: "nccl" for r in range(3)} if w < 40 else None)   # a round starts ~42
+        if w >= 48:                                         # ready mid-round: waits for the next one
+            for _, d in rows:
+                d["late.y"] = 100.0 * (1 + 0.05 * rng.standard_normal())
+        model.process_window(w * 1_000_000_000, rows)
+    assert model.stats["features_admitted"] >= 10
+    assert calls and all(calls)

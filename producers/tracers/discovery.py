@@ -88,9 +88,7 @@ def library_stamp(pid: int) -> int | None:
             for line in f:
                 if line.startswith(b"VmLib:"):
                     return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError):   # gone, not ours to read, or a line we cannot parse
         return None
     return -1
 

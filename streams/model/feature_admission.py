@@ -29,9 +29,10 @@ from streams.model.threshold import DSpot
 
 
 class FeatureAdmission:
-    def __init__(self, make_threshold: Callable[[], DSpot], rejoin_windows: int):
+    def __init__(self, make_threshold: Callable[[], DSpot], rejoin_windows: int, detectors: list[str]):
         self.make_threshold = make_threshold
         self.rejoin_windows = rejoin_windows
+        self.detectors = detectors              # the score detectors whose thresholds a round replaces
         self.scored: np.ndarray | None = None   # None: warm-up's first half, every usable feature scores
         self.pending = np.zeros(0, bool)
         self.windows = 0                        # windows of the current round
@@ -63,7 +64,7 @@ class FeatureAdmission:
         """The cells of the scored and the pending features (the shadow thresholds' scores)."""
         return usable & (self.scored | self.pending)
 
-    def begin(self, ready: np.ndarray, detectors) -> None:
+    def begin(self, ready: np.ndarray) -> None:
         """Start a round when features became usable outside the scored set."""
         if self.scored is None or self.active:
             return
@@ -71,7 +72,7 @@ class FeatureAdmission:
         if new.any():
             self.pending = new
             self.windows = 0
-            self.shadow = {name: self.make_threshold() for name in detectors}
+            self.shadow = {name: self.make_threshold() for name in self.detectors}
 
     def observe(self, scores: dict[str, np.ndarray]) -> None:
         """One window of the round: the shadow thresholds warm on its second half (normal rows' scores)."""

@@ -36,6 +36,12 @@ SCORED_DETECTORS = ("gmm", "mahalanobis", "hst")
 OUTPUT_ORDER = ("gmm", "peer", "hst", "mahalanobis")   # WindowScore.detectors order
 
 
+def zeroed_outside(Z: np.ndarray, mask: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """Z with 0 where ``mask`` is False: the density code reads a masked cell as 0, and Z is
+    already 0 wherever the cell is not usable, so a mask that is ``usable`` needs no copy."""
+    return Z if mask is usable else np.where(mask, Z, 0.0)
+
+
 class JobModel:
     def __init__(self, config: ModelConfig | None = None):
         c = self.config = config or ModelConfig()
@@ -52,7 +58,8 @@ class JobModel:
         self.hst = (HalfSpace(c.hst_trees, c.hst_height, c.hst_window, c.seed)
                     if "hst" in c.detectors else None)
         self.thresholds = {name: self._new_threshold() for name in SCORED_DETECTORS if name in c.detectors}
-        self.admission = FeatureAdmission(self._new_threshold, c.rejoin_windows)
+        self.admission = FeatureAdmission(self._new_threshold, c.rejoin_windows,
+                                          [d for d in ("gmm", "mahalanobis") if d in self.thresholds])
         self.windows = 0
         self.last_window_ns = -1
         self.flagged_run = 0
@@ -97,11 +104,11 @@ class JobModel:
         ready = self.scaler.ready()
         if not replay and self.windows > c.warmup_windows // 2:
             adm.fix(ready)                     # thresholds warm from here: the scored set is fixed
-            adm.begin(ready, [d for d in ("gmm", "mahalanobis") if d in self.thresholds])
+            adm.begin(ready)
         usable = M & ready
         Z = self.scaler.transform(X, usable)
         S = adm.mask(usable)                   # the scored features' cells
-        Zs = Z if S is usable else np.where(S, Z, 0.0)   # the scores read 0 where masked
+        Zs = zeroed_outside(Z, S, usable)
         sc = self.gmm.score(Zs, S)
         contrib = self.gmm.contributions(Zs, S, sc)
         pz = self.peers.zscores(X, M, learn=not replay, learn_below=c.peer_z_threshold)
@@ -113,9 +120,10 @@ class JobModel:
         shadow_scores = None
         if adm.active:                         # late features pending: their shadow thresholds' scores
             E = adm.extended(usable)
-            shadow_scores = {"gmm": self.gmm.score(Z, E).nll}
+            Ze = zeroed_outside(Z, E, usable)
+            shadow_scores = {"gmm": self.gmm.score(Ze, E).nll}
             if self.mahal:
-                shadow_scores["mahalanobis"] = self.mahal.score(Z, E)
+                shadow_scores["mahalanobis"] = self.mahal.score(Ze, E)
         if self.hst:
             scores["hst"] = self.hst.score(X, usable)
 
