@@ -55,7 +55,8 @@ from streams.model.gmm import GaussianMixture, GMMConfig  # noqa: E402
 D, K, GOAL = 64, 8, 50_000
 # the previous code: these files as they were before the scoring-path speed-up
 BASELINE_REV = "c281caf"
-BASELINE_FILES = ("streams/model/job_model.py", "streams/model/peers.py", "streams/model/config.py")
+BASELINE_FILES = ("streams/model/job_model.py", "streams/model/peers.py", "streams/model/config.py",
+                  "streams/model/checkpoint.py")  # checkpoint: the current one saves the admission state
 FACADE_ROUNDS = 4        # child processes per tree, alternating with the other tree
 FACADE_PASSES = 2        # passes over the same windows per child, each with a fresh model
 
