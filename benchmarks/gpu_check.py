@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producers.nvml.sampler import NvmlSampler  # noqa: E402
+from fleetscope.producers.nvml.sampler import NvmlSampler  # noqa: E402
 
 PHASES = [("idle", None, None), ("mm4096_fp32", 4096, "float32"), ("mm4096_bf16", 4096, "bfloat16"),
           ("mm8192_fp32", 8192, "float32"), ("mm8192_bf16", 8192, "bfloat16")]

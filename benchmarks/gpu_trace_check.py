@@ -267,9 +267,9 @@ def setup_bcc(dry_run: bool) -> dict:
 
 # -- tracing --------------------------------------------------------------------
 def make_tracers(errors: dict) -> dict:
-    from producers.tracers.cuda import CudaTracer
-    from producers.tracers.nccl import NcclTracer
-    from producers.tracers.torch_ops import TorchTracer
+    from fleetscope.producers.tracers.cuda import CudaTracer
+    from fleetscope.producers.tracers.nccl import NcclTracer
+    from fleetscope.producers.tracers.torch_ops import TorchTracer
     tracers = {}
     for name, cls in (("cuda", CudaTracer), ("nccl", NcclTracer), ("torch", TorchTracer)):
         t0 = time.monotonic()

@@ -49,8 +49,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--facade"]:
 else:
     sys.path.insert(0, str(ROOT))
 
-from streams.model import JobModel, ModelConfig  # noqa: E402
-from streams.model.gmm import GaussianMixture, GMMConfig  # noqa: E402
+from fleetscope.streams.model import JobModel, ModelConfig  # noqa: E402
+from fleetscope.streams.model.gmm import GaussianMixture, GMMConfig  # noqa: E402
 
 D, K, GOAL = 64, 8, 50_000
 # the previous code: these files as they were before the scoring-path speed-up

@@ -600,9 +600,9 @@ def section_timings(args, rate: float, flush_events: int) -> dict:
     worth of the fleet at `rate` (so batches per window match the run) and inserts of the run's
     mean flush size. The sum predicts one worker's ceiling without Faust, Kafka or background
     merges. Uses a throwaway chDB dir (this process holds no other)."""
-    from streams.features import window_features
-    from streams.sinks import RawSink
-    from streams.windows import WindowAssembler
+    from fleetscope.streams.features import window_features
+    from fleetscope.streams.sinks import RawSink
+    from fleetscope.streams.windows import WindowAssembler
     fleet = Fleet("sections-h", args.hosts, args.events_per_batch)
     n_batches = max(round(rate * args.window_s / args.events_per_batch), len(fleet.hosts))
     payloads = [(encode(b), b.kafka_headers()) for b in (fleet.next_batch() for _ in range(n_batches))]
@@ -642,7 +642,7 @@ def section_timings(args, rate: float, flush_events: int) -> dict:
             i = iter(range(10**6))
             out["chdb_raw_insert_us_per_event"] = timed(
                 lambda: store.insert("raw_metrics", rows, dedupe_token=f"s{next(i)}")) / flush_n * 1e6
-            from streams.sinks import FeatureSink
+            from fleetscope.streams.sinks import FeatureSink
             sink = FeatureSink(config_mod.Config(), store, None)  # no producer: the insert alone
             out["chdb_features_insert_us_per_event"] = timed(lambda: sink.write(windows)) / events * 1e6 - \
                 out["window_features_us_per_event"]  # write() also computes the vectors, timed above

@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from gpu_stub.build import Workload, build  # noqa: E402
-from producers.tracers.cuda import CudaTracer  # noqa: E402
-from producers.tracers.discovery import find_library  # noqa: E402
+from fleetscope.eval.gpu_stub.build import Workload, build  # noqa: E402
+from fleetscope.producers.tracers.cuda import CudaTracer  # noqa: E402
+from fleetscope.producers.tracers.discovery import find_library  # noqa: E402
 
 CALLS = 200_000
 ROUNDS = 5

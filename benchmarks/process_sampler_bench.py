@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sampler_cost_bench import INTERVAL_S, Meter, interleaved  # noqa: E402
-from producers.identity import IdentityResolver  # noqa: E402
-from producers.process_sampler import ProcessSampler, read_file  # noqa: E402
-from producers.tracers.discovery import TargetSpec, all_pids  # noqa: E402
+from fleetscope.producers.identity import IdentityResolver  # noqa: E402
+from fleetscope.producers.process_sampler import ProcessSampler, read_file  # noqa: E402
+from fleetscope.producers.tracers.discovery import TargetSpec, all_pids  # noqa: E402
 
 N_PROCS = 8
 

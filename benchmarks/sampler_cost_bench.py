@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fleetscope import wire  # noqa: E402
-from producers.host.collector import build_collectors  # noqa: E402
-from producers.host.sampler import HostSampler  # noqa: E402
+from fleetscope.producers.host.collector import build_collectors  # noqa: E402
+from fleetscope.producers.host.sampler import HostSampler  # noqa: E402
 
 INTERVAL_S = 0.1
 N_GPUS = 8
@@ -47,7 +47,7 @@ def stub_library(workdir: Path) -> tuple[str, Path]:
                    check=True)
     import pynvml
 
-    from producers.nvml.gpm import GPM_METRICS
+    from fleetscope.producers.nvml.gpm import GPM_METRICS
     energy = " ".join(str(1000 + 65 * k) for k in range(16))
     lines = [f"device_count {N_GPUS}"]
     for i in range(N_GPUS):
@@ -170,7 +170,7 @@ def main() -> None:
         baselines = {"previous": load_previous(Path(tmp), PREVIOUS, "prev"),
                      "original": load_previous(Path(tmp), ORIGINAL, "orig")}
         baselines = {name: modules for name, modules in baselines.items() if modules is not None}
-        from producers.nvml.sampler import NvmlSampler
+        from fleetscope.producers.nvml.sampler import NvmlSampler
         samplers = [NvmlSampler("bench", library_path=lib)]
         meters = {"host": Meter(HostSampler("bench", build_collectors()).sample),
                   "host_read_files_only": Meter(ReadOnlyFloor().sample),

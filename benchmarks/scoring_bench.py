@@ -68,8 +68,8 @@ from fleetscope.config import Config  # noqa: E402
 from fleetscope.schema import SOURCE_COLUMNS, node_identity  # noqa: E402
 from fleetscope.store import open_store  # noqa: E402
 from fleetscope.wire import Batch, StrColumn, encode  # noqa: E402
-from streams.model import JobModel, ModelConfig  # noqa: E402
-from streams.processor import MessageRef, StreamProcessor  # noqa: E402
+from fleetscope.streams.model import JobModel, ModelConfig  # noqa: E402
+from fleetscope.streams.processor import MessageRef, StreamProcessor  # noqa: E402
 
 SEC = 10**9
 TICK = SEC // 2
@@ -335,7 +335,7 @@ class StageTimer:
 
 
 def instrument(proc: StreamProcessor, store, timer: StageTimer) -> None:
-    import streams.sinks as sinks
+    import fleetscope.streams.sinks as sinks
 
     proc.handle = timer.wrap("decode_and_window_fold", proc.handle)
     sinks.window_features = timer.wrap("window_features", sinks.window_features)
@@ -360,7 +360,7 @@ def instrument(proc: StreamProcessor, store, timer: StageTimer) -> None:
 
 
 def scale(n_ranks: int, windows: int, scoring: bool, warmup: int) -> dict:
-    import streams.sinks as sinks
+    import fleetscope.streams.sinks as sinks
 
     real_features = sinks.window_features
     tmp = Path(tempfile.mkdtemp(prefix="scoring-bench-scale-"))

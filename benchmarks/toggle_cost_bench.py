@@ -57,8 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from producers.tracers.torch_ops import TorchTracer  # noqa: E402
-from producers.tracers.uprobes import attach_uprobe_fd, close_all, symbol_offset  # noqa: E402
+from fleetscope.producers.tracers.torch_ops import TorchTracer  # noqa: E402
+from fleetscope.producers.tracers.uprobes import attach_uprobe_fd, close_all, symbol_offset  # noqa: E402
 
 PERIODS = (0.5, 2.0)           # cycled in every round
 LONG_PERIODS = (10.0, 30.0)    # one toggle per phase: in --long-rounds rounds only
@@ -155,9 +155,9 @@ def standin_part(rounds: int) -> dict:
     """Thread CPU per untraced cudaLaunchKernel call of a toggled process against a control process run
     at the same time (both see the same neighbours), for no toggles (the noise floor), multi and single."""
     from bcc import BPF
-    from gpu_stub.build import Workload, build
-    from producers.tracers.cuda import CudaTracer
-    from producers.tracers.discovery import find_library
+    from fleetscope.eval.gpu_stub.build import Workload, build
+    from fleetscope.producers.tracers.cuda import CudaTracer
+    from fleetscope.producers.tracers.discovery import find_library
     bindir = build(Path(tempfile.mkdtemp(prefix="toggle_cost_")))
     tracer = CudaTracer("bench")
     for fam in tracer.families():

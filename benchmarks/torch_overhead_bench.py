@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fleetscope.config import Config  # noqa: E402
-from producers.tracers.calibrate import calibrate_hit_cost_ns  # noqa: E402
-from producers.tracers.manager import TracerManager  # noqa: E402
-from producers.tracers.torch_ops import TorchTracer  # noqa: E402
+from fleetscope.producers.tracers.calibrate import calibrate_hit_cost_ns  # noqa: E402
+from fleetscope.producers.tracers.manager import TracerManager  # noqa: E402
+from fleetscope.producers.tracers.torch_ops import TorchTracer  # noqa: E402
 from toggle_cost_bench import Loop  # noqa: E402
 
 BUDGET = 0.01

@@ -47,8 +47,8 @@ def main(argv=None) -> dict:
 
     from fleetscope.schema import validate
     from fleetscope.wire import decode, encode
-    from streams.features import window_features
-    from streams.windows import WindowAssembler
+    from fleetscope.streams.features import window_features
+    from fleetscope.streams.windows import WindowAssembler
     from benchmarks.scoring_bench import SEC, TICK, Fleet
 
     fleet = Fleet(args.ranks, 8, straggler=7, onset_window=10**9)

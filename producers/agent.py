@@ -15,7 +15,7 @@ import numpy as np
 from fleetscope.config import Config
 from fleetscope.schema import node_identity
 from fleetscope.wire import Batch, StrColumn
-from producers.publisher import Publisher
+from fleetscope.producers.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +95,20 @@ class Agent:
 
 
 def identity_rules(cfg: Config):
-    from producers.identity import IdentityRules
+    from fleetscope.producers.identity import IdentityRules
     return IdentityRules(tenant_env=cfg.tenant_env, default_tenant=cfg.default_tenant, job_env=tuple(cfg.job_env))
 
 
 def build_agent(cfg: Config, bootstrap: str) -> Agent:
-    from producers.host.collector import build_collectors
-    from producers.host.sampler import HostSampler
+    from fleetscope.producers.host.collector import build_collectors
+    from fleetscope.producers.host.sampler import HostSampler
     collectors = build_collectors(list(cfg.collectors) if cfg.collectors else None)
     publisher = Publisher(cfg, bootstrap)
     agent = Agent(cfg, publisher, [HostSampler(cfg.host, collectors)])
     if cfg.nvml:
-        from producers.identity import IdentityResolver
-        from producers.nvml.sampler import NvmlSampler
-        from producers.nvml.xid_watcher import XidWatcher
+        from fleetscope.producers.identity import IdentityResolver
+        from fleetscope.producers.nvml.sampler import NvmlSampler
+        from fleetscope.producers.nvml.xid_watcher import XidWatcher
         nvml = NvmlSampler(cfg.host, resolver=IdentityResolver(identity_rules(cfg), host=cfg.host), library_path=cfg.nvml_library)
         agent.samplers.append(nvml)
         agent.closers.append(nvml.close)
@@ -117,8 +117,8 @@ def build_agent(cfg: Config, bootstrap: str) -> Agent:
         watcher.start()
         agent.closers.append(watcher.stop)
     if cfg.proc_sampling:  # reads /proc only: runs without root
-        from producers.identity import IdentityResolver
-        from producers.process_sampler import ProcessSampler
+        from fleetscope.producers.identity import IdentityResolver
+        from fleetscope.producers.process_sampler import ProcessSampler
         proc = ProcessSampler.from_config(cfg, IdentityResolver(identity_rules(cfg), host=cfg.host))
         agent.samplers.append(proc)
         agent.stat_sources.append(proc)
@@ -148,8 +148,8 @@ def _start_tracing(cfg: Config, agent: Agent) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except OSError:
         pass
-    from producers.identity import IdentityResolver
-    from producers.tracers.manager import TracerManager
+    from fleetscope.producers.identity import IdentityResolver
+    from fleetscope.producers.tracers.manager import TracerManager
     try:
         manager = TracerManager(cfg, resolver=IdentityResolver(identity_rules(cfg), host=cfg.host))
     except Exception:  # tracing is an add-on: the agent keeps sampling without it

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fleetscope.wire import Batch
-from producers.tracers.discovery import ProcessWatcher, TargetSpec
-from producers.tracers.rows import identity, metric_batch
+from fleetscope.producers.tracers.discovery import ProcessWatcher, TargetSpec
+from fleetscope.producers.tracers.rows import identity, metric_batch
 
 log = logging.getLogger(__name__)
 

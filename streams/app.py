@@ -13,9 +13,9 @@ import os
 import faust
 
 from fleetscope.topics import RAW_SOURCES
-from streams import faust_transport
-from streams.flusher import BackgroundFlusher
-from streams.processor import MessageRef, StreamProcessor
+from fleetscope.streams import faust_transport
+from fleetscope.streams.flusher import BackgroundFlusher
+from fleetscope.streams.processor import MessageRef, StreamProcessor
 
 log = logging.getLogger(__name__)
 

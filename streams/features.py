@@ -5,12 +5,12 @@ inputs cannot support, so absent keys mean "masked", never zero.
 """
 from __future__ import annotations
 
-from streams.gpu_features import gpu_features
-from streams.host_features import host_features
-from streams.kernel_features import kernel_features
-from streams.proc_features import proc_features
-from streams.trace_features import cuda_features, nccl_features, python_features, torch_features
-from streams.windows import Window
+from fleetscope.streams.gpu_features import gpu_features
+from fleetscope.streams.host_features import host_features
+from fleetscope.streams.kernel_features import kernel_features
+from fleetscope.streams.proc_features import proc_features
+from fleetscope.streams.trace_features import cuda_features, nccl_features, python_features, torch_features
+from fleetscope.streams.windows import Window
 
 FEATURE_VERSION = 4  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*);
 #                      4: gloo collective waits (torch_comm_wait_frac, torch_work_wait_frac, torch_comm_waits_per_s)

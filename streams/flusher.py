@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from streams.processor import FlushJob, StreamProcessor
+from fleetscope.streams.processor import FlushJob, StreamProcessor
 
 
 class BackgroundFlusher:

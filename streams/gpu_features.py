@@ -8,7 +8,7 @@ out (masked).
 """
 from __future__ import annotations
 
-from streams.windows import Window
+from fleetscope.streams.windows import Window
 
 # Throttle reasons that mean the GPU ran slower than it could (idle and app-clock settings do not).
 LIMITING = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")

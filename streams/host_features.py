@@ -6,7 +6,7 @@ window's rate is the deltas' sum over the time those deltas cover.
 """
 from __future__ import annotations
 
-from streams.windows import MetricAgg, Window
+from fleetscope.streams.windows import MetricAgg, Window
 
 CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 

@@ -6,7 +6,7 @@ the deltas cover, so a multi-threaded process can exceed 1: it reads as
 """
 from __future__ import annotations
 
-from streams.windows import Window
+from fleetscope.streams.windows import Window
 
 
 def _rate(w: Window, metric: str) -> float | None:

@@ -10,7 +10,7 @@ has no rows of is left out (masked), never 0.
 """
 from __future__ import annotations
 
-from streams.windows import Window
+from fleetscope.streams.windows import Window
 
 RATES = (("proc.cpu_ns", "proc_cpu_cores", 1e-9),
          ("proc.majflt", "proc_majflt_per_s", 1.0),

@@ -20,10 +20,10 @@ from typing import Callable
 
 from fleetscope.schema import validate
 from fleetscope.wire import Batch, WireError, decode
-from streams.scoring import Scorer
-from streams.sinks import DeadLetters, FeatureSink, RawSink
-from streams.steps import JobSteps
-from streams.windows import WindowAssembler
+from fleetscope.streams.scoring import Scorer
+from fleetscope.streams.sinks import DeadLetters, FeatureSink, RawSink
+from fleetscope.streams.steps import JobSteps
+from fleetscope.streams.windows import WindowAssembler
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import numpy as np
 from fleetscope import wire
 from fleetscope.schema import NODE_TENANT
 from fleetscope.wire import Batch, StrColumn
-from streams.model import JobModel, ModelConfig
-from streams.model.ensemble import DETECTORS, Rule
-from streams.sinks import token
+from fleetscope.streams.model import JobModel, ModelConfig
+from fleetscope.streams.model.ensemble import DETECTORS, Rule
+from fleetscope.streams.sinks import token
 
 log = logging.getLogger(__name__)
 NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
@@ -58,7 +58,7 @@ class Scorer:
                                        detectors=tuple(d for d in DETECTORS if d == "gmm" or d in needed))
         self.model_config = model_config
         if diagnoser is None:
-            from streams.diagnosis.pipeline import Diagnoser
+            from fleetscope.streams.diagnosis.pipeline import Diagnoser
             diagnoser = Diagnoser()
         self.diagnoser = diagnoser
         self.models: dict[tuple[str, str], JobModel] = {}

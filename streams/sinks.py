@@ -16,7 +16,7 @@ import pyarrow as pa
 from fleetscope import wire
 from fleetscope.schema import SOURCE_COLUMNS
 from fleetscope.wire import Batch, StrColumn
-from streams.features import FEATURE_VERSION, window_features
+from fleetscope.streams.features import FEATURE_VERSION, window_features
 
 log = logging.getLogger(__name__)
 

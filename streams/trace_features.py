@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from streams.windows import MetricAgg, Window
+from fleetscope.streams.windows import MetricAgg, Window
 
 SYNC_APIS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize")
 MEMCPY_APIS = ("cudaMemcpy", "cudaMemcpyAsync")

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fleetscope.wire import Batch
-from streams.series import Interner, SeriesNumbers, split_code
+from fleetscope.streams.series import Interner, SeriesNumbers, split_code
 
 StreamKey = tuple[str, str, str, int]  # tenant, job, host, rank
 

@@ -12,8 +12,8 @@ from fleetscope.config import Config
 from fleetscope.store import open_store
 from fleetscope.store.endpoint import QueryEndpoint
 from fleetscope.topics import all_topics, ensure_topics
-from streams.app import create_app, run_worker
-from streams.processor import StreamProcessor
+from fleetscope.streams.app import create_app, run_worker
+from fleetscope.streams.processor import StreamProcessor
 
 log = logging.getLogger(__name__)
 

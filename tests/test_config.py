@@ -2,7 +2,7 @@
 import pytest
 
 from fleetscope.config import ConfigError, load
-from producers.agent import identity_rules
+from fleetscope.producers.agent import identity_rules
 
 
 def test_environment_overrides_the_file_which_overrides_defaults(tmp_path):

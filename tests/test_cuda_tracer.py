@@ -9,8 +9,8 @@ import os
 import time
 
 import pytest
-from gpu_stub.batches import index, rows
-from gpu_stub import fixtures
+from fleetscope.eval.gpu_stub.batches import index, rows
+from support import gpu_fixtures as fixtures
 
 make, stubs = fixtures.make, fixtures.stubs  # pytest fixtures, shared with the other GPU tracer tests
 
@@ -23,7 +23,7 @@ RELU = "relu_kernel(float*, int)"
 
 @pytest.fixture
 def tracer_cls():
-    from producers.tracers.cuda import CudaTracer
+    from fleetscope.producers.tracers.cuda import CudaTracer
     return CudaTracer
 
 
@@ -184,7 +184,7 @@ def test_launch_family_detaches_for_real_and_reports_its_fraction(make):
 
 
 def test_kernel_names_are_capped_per_pid(make):
-    from producers.tracers.symbols import OTHER, Symbolizer
+    from fleetscope.producers.tracers.symbols import OTHER, Symbolizer
 
     _, make_workload = make
     w = make_workload("cuda", 1, 0)
@@ -203,9 +203,9 @@ def test_kernel_names_are_capped_per_pid(make):
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
-    from producers.tracers import gpu_calls
-    from producers.tracers.cuda import CudaTracer
-    from producers.tracers.kernel import TracerUnavailable
+    from fleetscope.producers.tracers import gpu_calls
+    from fleetscope.producers.tracers.cuda import CudaTracer
+    from fleetscope.producers.tracers.kernel import TracerUnavailable
 
     monkeypatch.setattr(gpu_calls.os, "geteuid", lambda: 1000)
     with pytest.raises(TracerUnavailable, match="root"):

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from fleetscope import config as config_mod
-from fleetscope.kb_cli import diagnose_summary, parse_since, register
+from fleetscope.cli.kb import diagnose_summary, parse_since, register
 from fleetscope.store import ChdbStore
-from streams.diagnosis.kb import load_kb
-from streams.diagnosis.matcher import diagnose
-from streams.diagnosis.records import diagnosis_columns, diagnosis_message
+from fleetscope.streams.diagnosis.kb import load_kb
+from fleetscope.streams.diagnosis.matcher import diagnose
+from fleetscope.streams.diagnosis.records import diagnosis_columns, diagnosis_message
 from test_kb_entries import CASES, anomaly
 from test_remediation import RecordingExecutor
 
@@ -124,7 +124,7 @@ def _log(cfg):
 
 
 def test_cli_diagnose_prints_ranked_evidence(cfg, capsys):
-    from fleetscope.kb_cli import cmd_diagnose
+    from fleetscope.cli.kb import cmd_diagnose
     assert cmd_diagnose(_args("diagnose", "--job", "train-1", "--format", "json"), cfg) == 0
     out = capsys.readouterr().out
     assert out.index("cpu_contention_noisy_neighbour") < out.index("unmatched")
@@ -136,7 +136,7 @@ def test_cli_diagnose_prints_ranked_evidence(cfg, capsys):
 
 
 def test_cli_remediate_dry_run_by_default_and_logged(cfg, capsys):
-    from fleetscope.kb_cli import cmd_remediate
+    from fleetscope.cli.kb import cmd_remediate
     ex = RecordingExecutor()
     assert cmd_remediate(_args("remediate", "--job", "train-1"), cfg, executor=ex) == 0
     out = capsys.readouterr().out
@@ -148,7 +148,7 @@ def test_cli_remediate_dry_run_by_default_and_logged(cfg, capsys):
 
 
 def test_cli_remediate_execute_needs_both_opt_ins(cfg, capsys):
-    from fleetscope.kb_cli import cmd_remediate
+    from fleetscope.cli.kb import cmd_remediate
     ex = RecordingExecutor()
     cmd_remediate(_args("remediate", "--job", "train-1", "--execute", "--rank", "3",
                         "--allow-entry", "cpu_contention_noisy_neighbour"), cfg, executor=ex)
@@ -163,7 +163,7 @@ def test_cli_remediate_execute_needs_both_opt_ins(cfg, capsys):
 
 
 def test_cli_kb_list_and_show(capsys, kb):
-    from fleetscope.kb_cli import cmd_kb_list, cmd_kb_show
+    from fleetscope.cli.kb import cmd_kb_list, cmd_kb_show
     assert cmd_kb_list(_args("kb", "list"), None) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == len(kb)
     assert cmd_kb_show(_args("kb", "show", "irq_locality_miss"), None) == 0
@@ -180,7 +180,7 @@ def test_parse_since():
 
 
 def test_diagnoser_batch_goes_to_the_store(tmp_path, kb):
-    from streams.diagnosis.pipeline import Diagnoser
+    from fleetscope.streams.diagnosis.pipeline import Diagnoser
     good = anomaly(*CASES["xid_hardware_error"][0][0])
     good.window_start_ns = NOW_NS
     as_dict = dict(good.__dict__, rank=9)

@@ -12,7 +12,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fleetscope.schema import node_identity
 from fleetscope.wire import Batch, StrColumn, encode
-from producers.agent import build_agent
+from fleetscope.producers.agent import build_agent
 
 CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 

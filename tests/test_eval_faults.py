@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.eval.cgroups import PARENT, cgroup_of, controller_root
-from benchmarks.eval.faults import FaultError, make_fault, threads_of
-from benchmarks.eval.relay import DelayRelay
+from fleetscope.eval.cgroups import PARENT, cgroup_of, controller_root
+from fleetscope.eval.faults import FaultError, make_fault, threads_of
+from fleetscope.eval.relay import DelayRelay
 
 BUSY = "import time\nwhile True:\n    pass\n"
 
@@ -203,9 +203,9 @@ def test_relay_bandwidth_cap_paces_bytes(echo_server):
 def test_memory_pressure_runs_only_where_a_limit_reaches_the_rank():
     """Without moving charges (cgroup v2; v1 on recent kernels) a limit squeezes the hog alone:
     the scenario is skipped with that reason rather than scored as a miss."""
-    from benchmarks.eval.cgroups import memory_charges_move
-    from benchmarks.eval.runner import ScenarioSkipped, check_requirements
-    from benchmarks.eval.scenario import load_scenario
+    from fleetscope.eval.cgroups import memory_charges_move
+    from fleetscope.eval.runner import ScenarioSkipped, check_requirements
+    from fleetscope.eval.scenario import load_scenario
     s = load_scenario(Path(__file__).resolve().parents[1] / "benchmarks/scenarios/memory_pressure.yaml")
     why = memory_charges_move()
     if why:

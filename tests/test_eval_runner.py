@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.eval.cgroups import PARENT, CgroupUnavailable, controller_root
+from fleetscope.eval.cgroups import PARENT, CgroupUnavailable, controller_root
 
 SCENARIO = """
 name: ci_straggler
@@ -44,7 +44,7 @@ def _cpu_cgroup_ok() -> bool:
 
 def _our_processes(job: str) -> list[int]:
     """Processes still carrying this run's job id (torchrun's rdzv id) in their environment."""
-    from benchmarks.workloads.launch import environ_of
+    from fleetscope.eval.workloads.launch import environ_of
     left = []
     for d in os.listdir("/proc"):
         if d.isdigit() and environ_of(int(d)).get("TORCHELASTIC_RUN_ID") == job:
@@ -55,7 +55,7 @@ def _our_processes(job: str) -> list[int]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: eBPF tracing and a cgroup CPU quota")
 @pytest.mark.skipif(not _cpu_cgroup_ok(), reason="no cgroup hierarchy with the cpu controller")
 def test_short_straggler_scenario_is_detected_end_to_end(tmp_path):
-    from fleetscope.bench_cli import run_in_child
+    from fleetscope.cli.bench import run_in_child
     path = tmp_path / "ci_straggler.yaml"
     path.write_text(SCENARIO)
     # 40 windows (20 s): every source (proc, gloo waits; torch attaches only once a rank has imported it, slow

@@ -5,8 +5,8 @@ import importlib.util
 
 import pytest
 
-from benchmarks.eval.plot import PlotUnavailable, plot_scores
-from benchmarks.eval.scorer import Diagnosis, Truth, WindowResult, label, score_run, summarize, window_index
+from fleetscope.eval.plot import PlotUnavailable, plot_scores
+from fleetscope.eval.scorer import Diagnosis, Truth, WindowResult, label, score_run, summarize, window_index
 
 # 2 ranks, 10 windows of 2 s; the fault hits rank 1 from 7 s to 13 s:
 # windows 3 [6,8), 4, 5 [10,12), 6 [12,14) overlap it -> 4 positives on rank 1.
@@ -125,9 +125,9 @@ SCENARIOS = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchma
 
 
 def test_shipped_scenarios_load_and_their_faults_can_be_built(tmp_path):
-    from benchmarks.eval.faults import make_fault
-    from benchmarks.eval.relay import DelayRelay
-    from benchmarks.eval.scenario import load_scenarios
+    from fleetscope.eval.faults import make_fault
+    from fleetscope.eval.relay import DelayRelay
+    from fleetscope.eval.scenario import load_scenarios
     scenarios = {s.name: s for s in load_scenarios([SCENARIOS])}
     assert {"healthy", "straggler_cpu_quota", "straggler_competing_load", "slow_collective_one_rank",
             "memcpy_stall", "gpu_memory_leak", "python_gc_storm", "dataloader_stall", "network_degradation",
@@ -167,7 +167,7 @@ def test_truth_can_ignore_peers_and_what_outlasts_the_fault():
 ])
 def test_scenario_errors_name_the_file_and_field(tmp_path, edit, message):
     import yaml
-    from benchmarks.eval.scenario import ScenarioError, load_scenario
+    from fleetscope.eval.scenario import ScenarioError, load_scenario
     data = yaml.safe_load((SCENARIOS / "straggler_cpu_quota.yaml").read_text())
     section, key, value = edit
     (data[section] if section else data)[key] = value

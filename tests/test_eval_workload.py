@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from benchmarks.workloads.launch import DEBIAN_PYTHON, environ_of, launch, venv_site_packages
+from fleetscope.eval.workloads.launch import DEBIAN_PYTHON, environ_of, launch, venv_site_packages
 
 
 def test_two_rank_gloo_training_reports_steps_per_s_and_torchrun_identity(tmp_path):
@@ -54,7 +54,7 @@ def test_runs_under_debian_python_with_gc_storm_knob(tmp_path):
 
 
 def test_gpu_standin_plan_puts_each_fault_in_its_call():
-    from benchmarks.workloads.gpu_standin import StandinConfig, plan_step, step_time_us
+    from fleetscope.eval.workloads.gpu_standin import StandinConfig, plan_step, step_time_us
     cfg = StandinConfig()
     base = {c.api: c for c in plan_step(cfg, 2)}
     assert [c.api for c in plan_step(cfg, 2)].count("cudaLaunchKernel") == cfg.kernels
@@ -74,7 +74,7 @@ def test_gpu_standin_plan_puts_each_fault_in_its_call():
 
 def test_slow_storage_reads_from_the_device_and_blocks_for_the_batch_time(tmp_path):
     """The data-loader stall's fetch: uncached bytes the kernel counts as read from storage."""
-    from benchmarks.workloads.ddp_train import SlowStorage
+    from fleetscope.eval.workloads.ddp_train import SlowStorage
 
     def read_bytes() -> int:
         with open("/proc/self/io") as f:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from streams.diagnosis.attribution import attribute
-from streams.diagnosis.fingerprint import Fingerprint, pattern_vector, similarity
-from streams.diagnosis.kb import load_kb
-from streams.diagnosis.metrics import Outcome, fingerprint_metrics, outcome
-from streams.diagnosis.subsystems import SUBSYSTEMS, subsystem_of
+from fleetscope.streams.diagnosis.attribution import attribute
+from fleetscope.streams.diagnosis.fingerprint import Fingerprint, pattern_vector, similarity
+from fleetscope.streams.diagnosis.kb import load_kb
+from fleetscope.eval.fingerprint_metrics import Outcome, fingerprint_metrics, outcome
+from fleetscope.streams.diagnosis.subsystems import SUBSYSTEMS, subsystem_of
 from test_kb_entries import CASES, anomaly
 
 # ---- subsystems and attribution ---------------------------------------------------
@@ -142,5 +142,5 @@ def test_metrics_from_the_matcher_on_planted_faults():
 
 
 def _matches_any(a, kb) -> bool:
-    from streams.diagnosis.matcher import diagnose
+    from fleetscope.streams.diagnosis.matcher import diagnose
     return bool(diagnose(a, kb).matches)

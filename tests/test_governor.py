@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from fleetscope.config import Config
-from producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor
-from producers.tracers.manager import TracerManager
+from fleetscope.producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor
+from fleetscope.producers.tracers.manager import TracerManager
 
 
 def test_always_on_cost_comes_off_the_top_and_the_rest_steers_the_expensive_duty():
@@ -92,7 +92,7 @@ def _per_call_ns(manager_factory, seconds: float) -> tuple[float, float, object]
 @pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else (lambda f: f)
 def test_governor_keeps_a_hot_real_uprobe_inside_budget():
     """Real uprobes on a real process: always-on costs the loop many times over; governed stays near 1%."""
-    from tests.libc_call_tracer import LibcCallTracer
+    from support.libc_call_tracer import LibcCallTracer
 
     hit_cost_ns = 6000.0
 

@@ -10,12 +10,12 @@ import os
 import time
 
 import pytest
-from gpu_stub.batches import index
+from fleetscope.eval.gpu_stub.batches import index
 
-from benchmarks.eval.faults import WorkloadKnob
-from benchmarks.workloads.gpu_standin import StandinConfig, build, launch, stub_control
-from producers.tracers.cuda import CudaTracer
-from producers.tracers.nccl import NcclTracer
+from fleetscope.eval.faults import WorkloadKnob
+from fleetscope.eval.workloads.gpu_standin import StandinConfig, build, launch, stub_control
+from fleetscope.producers.tracers.cuda import CudaTracer
+from fleetscope.producers.tracers.nccl import NcclTracer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from fleetscope import schema, wire
-from producers.host.collector import REGISTRY, Collector, Sample, build_collectors
-from producers.host.cpu_stat import CpuStatCollector
-from producers.host.diskstats import DiskstatsCollector
-from producers.host.interrupts import InterruptsCollector
-from producers.host.meminfo import MeminfoCollector
-from producers.host.netdev import NetdevCollector
-from producers.host.numastat import NumastatCollector
-from producers.host.sampler import HostSampler
-from producers.host.vmstat import VmstatCollector
+from fleetscope.producers.host.collector import REGISTRY, Collector, Sample, build_collectors
+from fleetscope.producers.host.cpu_stat import CpuStatCollector
+from fleetscope.producers.host.diskstats import DiskstatsCollector
+from fleetscope.producers.host.interrupts import InterruptsCollector
+from fleetscope.producers.host.meminfo import MeminfoCollector
+from fleetscope.producers.host.netdev import NetdevCollector
+from fleetscope.producers.host.numastat import NumastatCollector
+from fleetscope.producers.host.sampler import HostSampler
+from fleetscope.producers.host.vmstat import VmstatCollector
 
 SEC = 1_000_000_000
 TCK = os.sysconf("SC_CLK_TCK")
@@ -479,7 +479,7 @@ def test_real_host_sampler_batch_validates_and_survives_the_wire():
 # ------------------------------------------------- fast paths (cost work)
 
 def test_read_text_reads_a_file_larger_than_one_read_chunk(tmp_path):
-    from producers.host import collector as collector_module
+    from fleetscope.producers.host import collector as collector_module
     text = "".join(f"line {i}\n" for i in range(3 * collector_module._READ_CHUNK // 8))
     write(tmp_path, "big", text)
     assert len(text) > 2 * collector_module._READ_CHUNK
@@ -565,7 +565,7 @@ def test_procfs_files_stay_open_and_read_fresh_but_other_trees_are_reopened(tmp_
 
 
 def test_interrupts_python_and_numpy_delta_paths_agree(tmp_path, monkeypatch):
-    import producers.host.interrupts as interrupts_module
+    import fleetscope.producers.host.interrupts as interrupts_module
     first = "  CPU0 CPU1 CPU2\nA: 1 2 3 x\nB: 10 20 30 y\nC: 7 7 7 z\nS: 4 5\nT: 1\n"
     second = "  CPU0 CPU1 CPU2\nA: 4 2 1 x\nB: 10 25 31 y\nC: 7 7 7 z\nS: 6 5\nT: 3\n"
     results = []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.identity import Identity, IdentityResolver, IdentityRules, parse_cgroup
+from fleetscope.producers.identity import Identity, IdentityResolver, IdentityRules, parse_cgroup
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(30)"]
 HEX = "4f1c2d3e" * 8  # a 64-hex container id
@@ -230,7 +230,7 @@ def test_unreadable_environ_still_gives_identity_from_what_is_readable(spawn):
     # Run the resolver as nobody against our root-owned process: environ is denied, cgroup is not.
     # (setpriv rather than Popen(user=): here only it may start an interpreter that lives under /root.)
     target = spawn(TORCHRUN_ENV)
-    code = ("import json, dataclasses; from producers.identity import IdentityResolver; r = IdentityResolver(); "
+    code = ("import json, dataclasses; from fleetscope.producers.identity import IdentityResolver; r = IdentityResolver(); "
             f"i = r.resolve({target.pid}); print(json.dumps([dataclasses.asdict(i), r.stats]))")
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     out = subprocess.run([*as_nobody, sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=30,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from streams.diagnosis.anomaly import Anomaly
-from streams.diagnosis.kb import KB_DIR, KBError, load_kb
-from streams.diagnosis.matcher import diagnose
+from fleetscope.streams.diagnosis.anomaly import Anomaly
+from fleetscope.streams.diagnosis.kb import KB_DIR, KBError, load_kb
+from fleetscope.streams.diagnosis.matcher import diagnose
 
 REQUIRED = {"gpu_power_thermal_throttling", "numa_misplacement", "irq_locality_miss", "huge_page_coverage_loss",
             "cpu_contention_noisy_neighbour", "straggler_rank", "slow_degraded_link", "h2d_copy_stall_pageable",

@@ -36,7 +36,7 @@ def children():
 
 @pytest.fixture
 def tracer_factory():
-    from producers.tracers import KernelTracer
+    from fleetscope.producers.tracers import KernelTracer
     made = []
 
     def make(**kw):
@@ -86,7 +86,7 @@ def disk_writes():
 
 
 def test_offcpu_switches_and_irqs_of_real_processes(children, tracer_factory):
-    from producers.identity import IdentityResolver
+    from fleetscope.producers.identity import IdentityResolver
 
     sleeper = children(SLEEPER, {"FLEETSCOPE_TENANT": "t1", "FLEETSCOPE_JOB": "j1", "RANK": "3"})
     spinner = children(SPINNER)
@@ -178,7 +178,7 @@ def test_tcp_retransmit_map_attached_and_rows_well_formed(tracer_factory):
 
 
 def test_missing_tracepoint_is_a_clear_error(monkeypatch):
-    from producers.tracers import kernel
+    from fleetscope.producers.tracers import kernel
 
     monkeypatch.setattr(kernel, "TRACEPOINTS", kernel.TRACEPOINTS + ("nosuch/event",))
     with pytest.raises(kernel.TracerUnavailable, match="nosuch/event"):
@@ -186,7 +186,7 @@ def test_missing_tracepoint_is_a_clear_error(monkeypatch):
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
-    from producers.tracers import kernel
+    from fleetscope.producers.tracers import kernel
 
     monkeypatch.setattr(kernel.os, "geteuid", lambda: 1000)
     with pytest.raises(kernel.TracerUnavailable, match="root"):

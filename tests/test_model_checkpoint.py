@@ -8,9 +8,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from streams.model import JobModel, ModelConfig
-from streams.model.checkpoint import MAGIC
-from streams.model.synthetic import SyntheticJob
+from fleetscope.streams.model import JobModel, ModelConfig
+from fleetscope.streams.model.checkpoint import MAGIC
+from support.synthetic import SyntheticJob
 
 
 def stream(n: int, seed: int = 0):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streams.model import JobModel, ModelConfig
-from streams.model.ensemble import Rule
-from streams.model.peers import PeerComparison
-from streams.model.synthetic import SyntheticJob
+from fleetscope.streams.model import JobModel, ModelConfig
+from fleetscope.streams.model.ensemble import Rule
+from fleetscope.streams.model.peers import PeerComparison
+from support.synthetic import SyntheticJob
 
 FAST = ModelConfig(detectors=("gmm", "peer"))   # the default rule's detectors; hst is the slow one
 START = 80                                       # fault onset, well after the 30-window warm-up
@@ -153,7 +153,7 @@ def test_peer_floor_keeps_identical_ranks_quiet():
 def test_peer_z_of_a_histogram_quantile_needs_more_than_one_bucket():
     """Tail latencies come from quarter-octave buckets: 3 ranks that mostly share a bucket, one a bucket up now
     and then, must stay quiet; a rank at 3x the others must not."""
-    from streams.model.peers import HISTOGRAM_STEP, PeerComparison
+    from fleetscope.streams.model.peers import HISTOGRAM_STEP, PeerComparison
     peers = PeerComparison(min_ranks=3, rel_floor=0.02)
     names = ["nccl_lat_p99_ns", "step_rate"]
     peers.grow(2, names)
@@ -170,7 +170,7 @@ def test_peer_z_of_a_histogram_quantile_needs_more_than_one_bucket():
 
 def test_peer_spread_is_not_learned_from_the_odd_rank():
     """A straggler that lasts 60 windows keeps firing: the typical spread learns from the ranks that agree."""
-    from streams.model.peers import PeerComparison
+    from fleetscope.streams.model.peers import PeerComparison
     peers = PeerComparison(min_ranks=3, rel_floor=0.0)
     peers.grow(1, ["step_rate"])
     rng = np.random.default_rng(2)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from scipy.stats import multivariate_normal
 
-from streams.model import JobModel, ModelConfig
-from streams.model.feature_index import FeatureIndex
-from streams.model.gmm import GaussianMixture, GMMConfig
+from fleetscope.streams.model import JobModel, ModelConfig
+from fleetscope.streams.model.feature_index import FeatureIndex
+from fleetscope.streams.model.gmm import GaussianMixture, GMMConfig
 
 D = 8
 TRUE_W = np.array([0.5, 0.3, 0.2])
@@ -234,7 +234,7 @@ def test_feature_index_layouts_orders_and_odd_values():
 
 
 def test_frozen_standardizer_skips_learning_until_a_new_feature_arrives():
-    from streams.model.scaling import MaskedStandardizer
+    from fleetscope.streams.model.scaling import MaskedStandardizer
     s = MaskedStandardizer(min_obs=2, freeze_obs=4)
     s.grow(2)
     X = np.array([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]])

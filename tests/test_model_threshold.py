@@ -1,7 +1,7 @@
 """DSPOT thresholds: the alarm rate follows the risk, and few peaks widen the tail."""
 import numpy as np
 
-from streams.model.threshold import DSpot
+from fleetscope.streams.model.threshold import DSpot
 
 
 def calibrated(x, **kw) -> DSpot:
@@ -35,7 +35,7 @@ def test_a_short_warm_up_alarms_at_the_nominal_risk_with_the_default_widening():
     scores, over 200 independent jobs: plain DSPOT alarms at about 4x its risk (its scale
     comes from 4-5 peaks); the default widening (ModelConfig.tail_uncertainty) brings the
     rate back to about the risk."""
-    from streams.model import ModelConfig
+    from fleetscope.streams.model import ModelConfig
     risk, rates = 5e-4, {0.0: [], ModelConfig().tail_uncertainty: []}
     for seed in range(200):
         rng = np.random.default_rng(seed)

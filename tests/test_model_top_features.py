@@ -1,8 +1,8 @@
 """TopFeatures ranks one row on demand: the k largest present cells by key, in descending order."""
 import numpy as np
 
-from streams.model.config import WindowScore
-from streams.model.top_features import TopFeatures
+from fleetscope.streams.model.config import WindowScore
+from fleetscope.streams.model.top_features import TopFeatures
 
 
 def brute(values, present, by, names, k, i):

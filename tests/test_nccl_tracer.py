@@ -8,8 +8,8 @@ import os
 import time
 
 import pytest
-from gpu_stub.batches import index, rows
-from gpu_stub import fixtures
+from fleetscope.eval.gpu_stub.batches import index, rows
+from support import gpu_fixtures as fixtures
 
 make, stubs = fixtures.make, fixtures.stubs  # pytest fixtures, shared with the other GPU tracer tests
 
@@ -24,7 +24,7 @@ CALLS = {"AllReduce": (1000, "float32", 4000), "AllGather": (256, "float16", 512
 
 @pytest.fixture
 def tracer_cls():
-    from producers.tracers.nccl import NcclTracer
+    from fleetscope.producers.tracers.nccl import NcclTracer
     return NcclTracer
 
 

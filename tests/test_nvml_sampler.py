@@ -21,11 +21,11 @@ import pynvml
 import pytest
 
 from fleetscope import schema, wire
-from producers.nvml.calls import DeviceCalls
-from producers.nvml.device_metrics import THROTTLE_FLAGS
-from producers.nvml.gpm import GPM_METRICS
-from producers.nvml.sampler import NvmlSampler
-from producers.nvml.xid_watcher import XidWatcher
+from fleetscope.producers.nvml.calls import DeviceCalls
+from fleetscope.producers.nvml.device_metrics import THROTTLE_FLAGS
+from fleetscope.producers.nvml.gpm import GPM_METRICS
+from fleetscope.producers.nvml.sampler import NvmlSampler
+from fleetscope.producers.nvml.xid_watcher import XidWatcher
 
 STUB_SRC = Path(__file__).parent / "nvml_stub" / "fake_nvml.c"
 HOST = "node-a"
@@ -380,7 +380,7 @@ def test_device_energy_is_split_over_processes_by_sm_utilization(scenario, make_
 
 
 def test_energy_split_without_utilization_samples_is_equal_and_never_lost():
-    from producers.nvml.energy import split_energy
+    from fleetscope.producers.nvml.energy import split_energy
     assert split_energy(9.0, {}, {1, 2, 3}) == {1: 3.0, 2: 3.0, 3: 3.0}
     assert split_energy(9.0, {1: 0.0}, {1, 2}) == {1: 4.5, 2: 4.5}
     assert split_energy(5.0, {}, set()) == {}
@@ -454,7 +454,7 @@ def test_gpm_is_read_once_a_second_and_ofu_uses_the_intervals_mean_sm_clock(scen
 def test_the_one_call_tick_path_gives_the_rows_of_the_getter_by_getter_path(scenario, make_sampler, monkeypatch):
     # DeviceCalls.tick() reads the every-tick getters in one call; when it
     # answers None the sampler goes getter by getter. Both give the same rows.
-    from producers.nvml.calls import DeviceCalls
+    from fleetscope.producers.nvml.calls import DeviceCalls
     scenario(FULL)
     first = make_sampler()
     one_call = [device_rows(rows) for rows in ticks(first, 3, step_ns=SEC // 10)]

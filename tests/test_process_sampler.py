@@ -20,12 +20,12 @@ import pytest
 from fleetscope.config import load
 from fleetscope.schema import validate
 from fleetscope.topics import RAW_SOURCES, all_topics
-from producers.identity import IdentityResolver, IdentityRules
-from producers.process_sampler import ProcessSampler, parse_stat, read_file
-from producers.tracers.discovery import TargetSpec
-from streams.diagnosis.subsystems import subsystem_of
-from streams.features import window_features
-from streams.windows import WindowAssembler
+from fleetscope.producers.identity import IdentityResolver, IdentityRules
+from fleetscope.producers.process_sampler import ProcessSampler, parse_stat, read_file
+from fleetscope.producers.tracers.discovery import TargetSpec
+from fleetscope.streams.diagnosis.subsystems import subsystem_of
+from fleetscope.streams.features import window_features
+from fleetscope.streams.windows import WindowAssembler
 from test_identity import spawn, wait_until  # noqa: F401 (spawn is a fixture)
 
 BURN = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"

@@ -6,7 +6,7 @@ import pytest
 from fleetscope.config import Config
 from fleetscope.schema import node_identity
 from fleetscope.wire import Batch, StrColumn, encode
-from streams.processor import MessageRef, StreamProcessor
+from fleetscope.streams.processor import MessageRef, StreamProcessor
 
 SEC = 10**9
 T0 = 1_800_000_000 * SEC
@@ -171,7 +171,7 @@ def test_background_flusher_overlaps_storing_with_consuming_and_acks_in_the_loop
     import asyncio
     import threading
 
-    from streams.flusher import BackgroundFlusher
+    from fleetscope.streams.flusher import BackgroundFlusher
 
     clock, acked = FakeClock(), []
     proc = make_processor(store, clock, tmp_path)

@@ -10,8 +10,8 @@ from fleetscope.broker import free_port
 from fleetscope.config import Config
 from fleetscope.topics import all_topics, ensure_topics
 from fleetscope.wire import Batch, StrColumn
-from producers.agent import agent_stats_batch
-from producers.publisher import Publisher, split_by_job
+from fleetscope.producers.agent import agent_stats_batch
+from fleetscope.producers.publisher import Publisher, split_by_job
 
 
 def two_job_batch() -> Batch:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.batch_rows import rows, stop_all, values, wait_for
+from support.batch_rows import rows, stop_all, values, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
@@ -37,7 +37,7 @@ def spawn():
 
 @pytest.fixture(scope="module")
 def tracer():
-    from producers.tracers.python_vm import PythonTracer
+    from fleetscope.producers.tracers.python_vm import PythonTracer
     t = PythonTracer("node-a")
     yield t
     t.close()
@@ -127,7 +127,7 @@ def test_interpreter_without_usdt_is_refused_with_the_reason(tracer, spawn, tmp_
 
 
 def test_file_prefix_filter_in_the_kernel(spawn, tmp_path):
-    from producers.tracers.python_vm import PythonTracer
+    from fleetscope.producers.tracers.python_vm import PythonTracer
     go = tmp_path / "go"
     with PythonTracer("node-a", prefixes=(str(WORKLOAD.parent),)) as t:
         p = spawn(go, 30)

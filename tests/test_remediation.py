@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from streams.diagnosis.kb import load_kb
-from streams.diagnosis.remediation import ExecResult, LocalExecutor, Policy, plan, render, run_action
+from fleetscope.streams.diagnosis.kb import load_kb
+from fleetscope.streams.diagnosis.remediation import ExecResult, LocalExecutor, Policy, plan, render, run_action
 
 
 class RecordingExecutor:

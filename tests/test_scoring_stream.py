@@ -25,7 +25,7 @@ import yaml
 from fleetscope.config import Config
 from fleetscope.schema import SOURCE_COLUMNS, node_identity, validate
 from fleetscope.wire import Batch, StrColumn, encode
-from streams.processor import MessageRef, StreamProcessor
+from fleetscope.streams.processor import MessageRef, StreamProcessor
 
 REPO = Path(__file__).resolve().parents[1]
 

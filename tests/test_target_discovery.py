@@ -5,10 +5,10 @@ again only when its library stamp (VmLib) moves. The CUDA library is the test st
 from __future__ import annotations
 
 import pytest
-from gpu_stub.build import Workload, build
+from fleetscope.eval.gpu_stub.build import Workload, build
 
-from producers.tracers import discovery
-from producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
+from fleetscope.producers.tracers import discovery
+from fleetscope.producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
 
 
 @pytest.fixture(scope="module")

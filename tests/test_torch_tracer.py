@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.batch_rows import rows, stop_all, values, wait_for
+from support.batch_rows import rows, stop_all, values, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
@@ -45,7 +45,7 @@ def train(tmp_path):
 
 @pytest.fixture(scope="module")
 def tracer():
-    from producers.tracers.torch_ops import TorchTracer
+    from fleetscope.producers.tracers.torch_ops import TorchTracer
     t = TorchTracer("node-a")
     yield t
     t.close()

@@ -6,8 +6,8 @@ import pytest
 
 from fleetscope.schema import SOURCE_COLUMNS, validate
 from fleetscope.wire import Batch, StrColumn
-from streams.features import window_features
-from streams.windows import WindowAssembler
+from fleetscope.streams.features import window_features
+from fleetscope.streams.windows import WindowAssembler
 
 T0 = 1_700_000_000 * 10**9
 TICK = 250_000_000  # the agent samples every 250 ms here

@@ -14,16 +14,16 @@ import pytest
 from fleetscope.config import Config
 from fleetscope.store import open_store
 from fleetscope.wire import encode
-from producers.agent import identity_rules
-from producers.identity import IdentityResolver
-from producers.tracers.manager import TracerManager
-from streams.processor import MessageRef, StreamProcessor
+from fleetscope.producers.agent import identity_rules
+from fleetscope.producers.identity import IdentityResolver
+from fleetscope.producers.tracers.manager import TracerManager
+from fleetscope.streams.processor import MessageRef, StreamProcessor
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
 
 def test_traced_cuda_calls_become_rank_features_with_sampling_recorded(tmp_path):
-    from gpu_stub.build import Workload, build
+    from fleetscope.eval.gpu_stub.build import Workload, build
     bindir = build(tmp_path / "stub")
     env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "FLEETSCOPE_JOB": "stub-train",
            "FLEETSCOPE_TENANT": "acme"}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from producers.host.collector import Collector, CounterDeltas, Sample, make_sample, register
+from fleetscope.producers.host.collector import Collector, CounterDeltas, Sample, make_sample, register
 
 # Column order of the cpu lines (see proc(5)). guest and guest_nice are left
 # out on purpose: the kernel already counts them inside user and nice, so

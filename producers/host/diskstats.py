@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
+from fleetscope.producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
 
 # Virtual devices whose I/O is memory traffic, not disk traffic.
 _SKIP_PREFIXES = ("loop", "ram", "zram")

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from producers.host.collector import SLOW_CADENCE_NS, Collector, Sample, make_sample, register
+from fleetscope.producers.host.collector import SLOW_CADENCE_NS, Collector, Sample, make_sample, register
 
 _MISSING = -1  # a cell the row did not have (short rows); never yields a delta
 _PY_CELLS = 4096  # changed cells up to which deltas are taken in Python rather than numpy

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from producers.host.collector import SLOW_CADENCE_NS, Collector, Sample, make_sample, register
+from fleetscope.producers.host.collector import SLOW_CADENCE_NS, Collector, Sample, make_sample, register
 
 # /proc/meminfo field -> our metric. Values with a "kB" unit become bytes;
 # the HugePages_* fields have no unit because they are page counts, and stay so.

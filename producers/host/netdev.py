@@ -1,7 +1,7 @@
 """Per-interface traffic counters from /proc/net/dev."""
 from __future__ import annotations
 
-from producers.host.collector import Collector, CounterDeltas, Sample, register
+from fleetscope.producers.host.collector import Collector, CounterDeltas, Sample, register
 
 # Positions in the 16 numbers after "iface:" (8 receive, then 8 transmit).
 _COLUMNS = {"net.rx_bytes": 0, "net.rx_packets": 1, "net.rx_errs": 2, "net.rx_drop": 3,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 
-from producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
+from fleetscope.producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
 
 _FIELDS = frozenset(("numa_hit", "numa_miss", "numa_foreign", "interleave_hit", "local_node", "other_node"))
 _NODE_DIR = re.compile(r"node(\d+)$")

@@ -8,8 +8,8 @@ import numpy as np
 
 from fleetscope.schema import SOURCE_COLUMNS
 from fleetscope.wire import Batch
-from producers.host.collector import Collector, Sample, load_builtin_collectors
-from producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn
+from fleetscope.producers.host.collector import Collector, Sample, load_builtin_collectors
+from fleetscope.producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn
 
 log = logging.getLogger(__name__)
 

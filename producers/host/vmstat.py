@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
+from fleetscope.producers.host.collector import SLOW_CADENCE_NS, Collector, CounterDeltas, Sample, register
 
 # Only the counters that explain slow training steps: remote-node allocations,
 # major faults, THP fallbacks and swapping. Kernels without NUMA or THP lack

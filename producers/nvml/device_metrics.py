@@ -31,7 +31,7 @@ import functools
 
 import pynvml
 
-from producers.nvml.field_batch import FieldSpec
+from fleetscope.producers.nvml.field_batch import FieldSpec
 
 # The clock-event ("throttle") reason bits, as pynvml names them; one 0/1 gauge each.
 THROTTLE_FLAGS = (

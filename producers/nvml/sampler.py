@@ -28,13 +28,13 @@ import pynvml
 
 from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
 from fleetscope.wire import Batch
-from producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn, str_column
-from producers.nvml.calls import DeviceCalls, EntryPoints
-from producers.nvml.device_metrics import STATIC_FIELDS, THROTTLE_METRICS, TICK_FIELDS, decode_throttle
-from producers.nvml.energy import split_energy
-from producers.nvml.field_batch import FieldBatch
-from producers.nvml.gpm import TENSOR_METRIC, GpmReader, gpm_supported, ofu_percent
-from producers.nvml.library import NvmlUnavailable, close_nvml, open_nvml
+from fleetscope.producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn, str_column
+from fleetscope.producers.nvml.calls import DeviceCalls, EntryPoints
+from fleetscope.producers.nvml.device_metrics import STATIC_FIELDS, THROTTLE_METRICS, TICK_FIELDS, decode_throttle
+from fleetscope.producers.nvml.energy import split_energy
+from fleetscope.producers.nvml.field_batch import FieldBatch
+from fleetscope.producers.nvml.gpm import TENSOR_METRIC, GpmReader, gpm_supported, ofu_percent
+from fleetscope.producers.nvml.library import NvmlUnavailable, close_nvml, open_nvml
 
 log = logging.getLogger(__name__)
 

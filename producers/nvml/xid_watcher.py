@@ -24,7 +24,7 @@ import pynvml
 
 from fleetscope.schema import SOURCE_COLUMNS, node_identity
 from fleetscope.wire import Batch, StrColumn
-from producers.nvml.library import NvmlUnavailable, close_nvml, open_nvml
+from fleetscope.producers.nvml.library import NvmlUnavailable, close_nvml, open_nvml
 
 log = logging.getLogger(__name__)
 

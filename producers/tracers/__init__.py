@@ -3,6 +3,6 @@
 The agent loads them by name through producers.tracers.manager, lazily, so a
 host without bcc still imports this package.
 """
-from producers.tracers.kernel import KernelTracer, TracerUnavailable
+from fleetscope.producers.tracers.kernel import KernelTracer, TracerUnavailable
 
 __all__ = ["KernelTracer", "TracerUnavailable"]

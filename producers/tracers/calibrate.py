@@ -68,7 +68,7 @@ def calibrate_hit_cost_ns(calls: int = 20000, timeout_s: float = 60.0) -> float:
 
 
 def _libc_path(pid: int) -> str:
-    from producers.tracers.discovery import find_library
+    from fleetscope.producers.tracers.discovery import find_library
     path = find_library(pid, r"/libc\.so\.6$")
     if path is None:
         raise RuntimeError(f"process {pid} maps no libc.so.6")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import re
 
-from producers.tracers.gpu_calls import Api, GpuCallTracer
-from producers.tracers.symbols import Symbolizer
+from fleetscope.producers.tracers.gpu_calls import Api, GpuCallTracer
+from fleetscope.producers.tracers.symbols import Symbolizer
 
 MEMCPY_KINDS = {0: "HtoH", 1: "HtoD", 2: "DtoH", 3: "DtoD", 4: "default"}
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producers.process_sampler import Vanished, parse_stat, read_file
+from fleetscope.producers.process_sampler import Vanished, parse_stat, read_file
 
 EXPENSIVE, ALWAYS = "expensive", "always"
 

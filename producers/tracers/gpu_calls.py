@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetscope.wire import Batch
-from producers.tracers.clock import MonotonicClock
-from producers.tracers.discovery import find_library
-from producers.tracers.duty import DutyClock
-from producers.tracers.kernel import BPF_DIR, TracerUnavailable
-from producers.tracers.rows import identity, metric_batch
-from producers.tracers.uprobes import Link, LinkSet, check_host, load_multi_program, symbol_offset
+from fleetscope.producers.tracers.clock import MonotonicClock
+from fleetscope.producers.tracers.discovery import find_library
+from fleetscope.producers.tracers.duty import DutyClock
+from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
+from fleetscope.producers.tracers.rows import identity, metric_batch
+from fleetscope.producers.tracers.uprobes import Link, LinkSet, check_host, load_multi_program, symbol_offset
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fleetscope.wire import Batch
-from producers.tracers.rows import diff, identity, metric_batch
+from fleetscope.producers.tracers.rows import diff, identity, metric_batch
+from fleetscope.resources import package_dir
 
 log = logging.getLogger(__name__)
 
-BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+BPF_DIR = package_dir("fleetscope.bpf")
 TRACEPOINTS = ("sched/sched_switch", "tcp/tcp_retransmit_skb", "irq/irq_handler_entry")
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 

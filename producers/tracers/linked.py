@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from producers.tracers.rows import identity
+from fleetscope.producers.tracers.rows import identity
 
 log = logging.getLogger(__name__)
 

@@ -24,19 +24,19 @@ import logging
 import threading
 import time
 
-from producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
-from producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, process_cpu_seconds
-from producers.tracers.kernel import TracerUnavailable
+from fleetscope.producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
+from fleetscope.producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, process_cpu_seconds
+from fleetscope.producers.tracers.kernel import TracerUnavailable
 
 log = logging.getLogger(__name__)
 FAILED = object()  # what _call returns when the call raised
 
 TRACER_CLASSES = {
-    "kernel": ("producers.tracers.kernel", "KernelTracer"),
-    "cuda": ("producers.tracers.cuda", "CudaTracer"),
-    "nccl": ("producers.tracers.nccl", "NcclTracer"),
-    "python": ("producers.tracers.python_vm", "PythonTracer"),
-    "torch": ("producers.tracers.torch_ops", "TorchTracer"),
+    "kernel": ("fleetscope.producers.tracers.kernel", "KernelTracer"),
+    "cuda": ("fleetscope.producers.tracers.cuda", "CudaTracer"),
+    "nccl": ("fleetscope.producers.tracers.nccl", "NcclTracer"),
+    "python": ("fleetscope.producers.tracers.python_vm", "PythonTracer"),
+    "torch": ("fleetscope.producers.tracers.torch_ops", "TorchTracer"),
 }
 
 
@@ -94,7 +94,7 @@ class TracerManager:
     def _calibrate(self) -> float:
         if not any(EXPENSIVE in _families(t).values() for t in self.tracers.values()):
             return 6000.0  # nothing to duty-cycle: the value is never used
-        from producers.tracers.calibrate import calibrate_hit_cost_ns
+        from fleetscope.producers.tracers.calibrate import calibrate_hit_cost_ns
         try:
             return calibrate_hit_cost_ns()
         except Exception as e:  # calibration is best effort; the documented VM figure stands in

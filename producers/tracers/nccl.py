@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from producers.tracers.gpu_calls import Api, GpuCallTracer
+from fleetscope.producers.tracers.gpu_calls import Api, GpuCallTracer
 
 DTYPES = {0: ("int8", 1), 1: ("uint8", 1), 2: ("int32", 4), 3: ("uint32", 4), 4: ("int64", 8), 5: ("uint64", 8),
           6: ("float16", 2), 7: ("float32", 4), 8: ("float64", 8), 9: ("bfloat16", 2),

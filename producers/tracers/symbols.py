@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from producers.tracers.discovery import host_path
+from fleetscope.producers.tracers.discovery import host_path
 
 log = logging.getLogger(__name__)
 

@@ -60,12 +60,12 @@ import subprocess
 import time
 
 from fleetscope.wire import Batch
-from producers.tracers.discovery import find_library
-from producers.tracers.duty import DutyClock
-from producers.tracers.kernel import BPF_DIR, TracerUnavailable
-from producers.tracers.linked import LinkedFamilyTracer
-from producers.tracers.rows import diff, metric_batch
-from producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
+from fleetscope.producers.tracers.discovery import find_library
+from fleetscope.producers.tracers.duty import DutyClock
+from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
+from fleetscope.producers.tracers.linked import LinkedFamilyTracer
+from fleetscope.producers.tracers.rows import diff, metric_batch
+from fleetscope.producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
 
 log = logging.getLogger(__name__)
 

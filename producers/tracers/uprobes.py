@@ -26,7 +26,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from producers.tracers.kernel import TracerUnavailable
+from fleetscope.producers.tracers.kernel import TracerUnavailable
 
 log = logging.getLogger(__name__)
 

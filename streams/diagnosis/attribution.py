@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from streams.diagnosis.fingerprint import Fingerprint
-from streams.diagnosis.subsystems import subsystem_of
+from fleetscope.streams.diagnosis.fingerprint import Fingerprint
+from fleetscope.streams.diagnosis.subsystems import subsystem_of
 
 
 @dataclass(frozen=True)

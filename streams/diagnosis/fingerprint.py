@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from streams.diagnosis.subsystems import SUBSYSTEMS
+from fleetscope.streams.diagnosis.subsystems import SUBSYSTEMS
 
 
 @dataclass(frozen=True)

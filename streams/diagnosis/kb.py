@@ -38,9 +38,10 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from streams.diagnosis.fingerprint import pattern_vector
+from fleetscope.streams.diagnosis.fingerprint import pattern_vector
+from fleetscope.resources import package_dir
 
-KB_DIR = Path(__file__).resolve().parents[2] / "kb"
+KB_DIR = package_dir("fleetscope.kb")
 UNMATCHED = "unmatched"
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from streams.diagnosis.anomaly import Anomaly
-from streams.diagnosis.attribution import Attribution, attribute
-from streams.diagnosis.fingerprint import similarity
-from streams.diagnosis.kb import UNMATCHED, Entry
+from fleetscope.streams.diagnosis.anomaly import Anomaly
+from fleetscope.streams.diagnosis.attribution import Attribution, attribute
+from fleetscope.streams.diagnosis.fingerprint import similarity
+from fleetscope.streams.diagnosis.kb import UNMATCHED, Entry
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from streams.diagnosis.anomaly import Anomaly
-from streams.diagnosis.kb import KB_DIR, Entry, load_kb
-from streams.diagnosis.matcher import Diagnosis, diagnose
-from streams.diagnosis.records import diagnosis_columns, diagnosis_message
+from fleetscope.streams.diagnosis.anomaly import Anomaly
+from fleetscope.streams.diagnosis.kb import KB_DIR, Entry, load_kb
+from fleetscope.streams.diagnosis.matcher import Diagnosis, diagnose
+from fleetscope.streams.diagnosis.records import diagnosis_columns, diagnosis_message
 
 
 @dataclass

@@ -5,8 +5,8 @@ from typing import Iterable
 
 import numpy as np
 
-from streams.diagnosis.matcher import Diagnosis
-from streams.diagnosis.remediation import LogRecord
+from fleetscope.streams.diagnosis.matcher import Diagnosis
+from fleetscope.streams.diagnosis.remediation import LogRecord
 
 
 def diagnosis_message(d: Diagnosis) -> dict:

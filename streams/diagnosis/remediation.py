@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
 
-from streams.diagnosis.kb import PLACEHOLDER_RE, Entry
+from fleetscope.streams.diagnosis.kb import PLACEHOLDER_RE, Entry
 
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:@/+=][A-Za-z0-9_.,:@/+=-]*$")
 OUTPUT_HEAD = 4000  # characters of stdout/stderr kept in the log

@@ -18,8 +18,8 @@ from dataclasses import asdict
 
 import numpy as np
 
-from streams.model.config import ModelConfig
-from streams.model.feature_index import FeatureIndex
+from fleetscope.streams.model.config import ModelConfig
+from fleetscope.streams.model.feature_index import FeatureIndex
 
 MAGIC = b"FSJMODEL"
 FORMAT_VERSION = 1
@@ -63,7 +63,7 @@ def dump(model) -> bytes:
 
 
 def load(blob: bytes):
-    from streams.model.job_model import JobModel
+    from fleetscope.streams.model.job_model import JobModel
 
     if not blob.startswith(MAGIC):
         raise ValueError("not a fleetscope job-model checkpoint (bad magic)")

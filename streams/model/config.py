@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streams.model.ensemble import DETECTORS, Rule
+from fleetscope.streams.model.ensemble import DETECTORS, Rule
 
 
 @dataclass

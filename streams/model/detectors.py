@@ -22,7 +22,7 @@ import pickle
 import numpy as np
 from river.anomaly import HalfSpaceTrees
 
-from streams.model.gmm import GaussianMixture, GMMConfig
+from fleetscope.streams.model.gmm import GaussianMixture, GMMConfig
 
 
 class Mahalanobis:

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from streams.model.threshold import DSpot
+from fleetscope.streams.model.threshold import DSpot
 
 
 class FeatureAdmission:

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from streams.model.config import ModelConfig, WindowScore
-from streams.model.detectors import HalfSpace, Mahalanobis
-from streams.model.ensemble import Rule
-from streams.model.feature_admission import FeatureAdmission
-from streams.model.feature_index import FeatureIndex
-from streams.model.gmm import GaussianMixture, GMMConfig
-from streams.model.peers import PeerComparison
-from streams.model.scaling import MaskedStandardizer
-from streams.model.threshold import DSpot
-from streams.model.top_features import TopFeatures
+from fleetscope.streams.model.config import ModelConfig, WindowScore
+from fleetscope.streams.model.detectors import HalfSpace, Mahalanobis
+from fleetscope.streams.model.ensemble import Rule
+from fleetscope.streams.model.feature_admission import FeatureAdmission
+from fleetscope.streams.model.feature_index import FeatureIndex
+from fleetscope.streams.model.gmm import GaussianMixture, GMMConfig
+from fleetscope.streams.model.peers import PeerComparison
+from fleetscope.streams.model.scaling import MaskedStandardizer
+from fleetscope.streams.model.threshold import DSpot
+from fleetscope.streams.model.top_features import TopFeatures
 
 SCORED_DETECTORS = ("gmm", "mahalanobis", "hst")
 OUTPUT_ORDER = ("gmm", "peer", "hst", "mahalanobis")   # WindowScore.detectors order
@@ -205,10 +205,10 @@ class JobModel:
 
     # ----------------------------------------------------------- checkpoint
     def to_bytes(self) -> bytes:
-        from streams.model.checkpoint import dump
+        from fleetscope.streams.model.checkpoint import dump
         return dump(self)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "JobModel":
-        from streams.model.checkpoint import load
+        from fleetscope.streams.model.checkpoint import load
         return load(blob)

@@ -1,0 +1,36 @@
+"""What every command shares: loading the config, opening the store, parsing --param, terminating children."""
+from __future__ import annotations
+
+import sys
+
+from fleetscope import config as config_mod
+
+
+def load_config(args) -> config_mod.Config:
+    """The config that --config (or FLEETSCOPE_CONFIG) and the environment give."""
+    return config_mod.load(getattr(args, "config", None))
+
+
+def open_configured_store(cfg: config_mod.Config):
+    """The store the config names: a ClickHouse server, the running endpoint, or the embedded chDB."""
+    from fleetscope.store import open_store
+    return open_store(cfg.data_dir, cfg.database, cfg.clickhouse_url, cfg.ttl_days)
+
+
+def parse_params(pairs: list[str]) -> dict:
+    """NAME=VALUE pairs from repeated --param options."""
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--param expects NAME=VALUE, got {pair!r}")
+        params[name] = value
+    return params
+
+
+def kafka_or_explain(cfg: config_mod.Config, command: str) -> str | None:
+    """The configured Kafka, or None after telling the user how to give one."""
+    if not cfg.kafka:
+        print(f"fleetscope {command} needs a Kafka: set FLEETSCOPE_KAFKA=host:port (or `kafka` in the config file).\n"
+              "For everything on this machine with an embedded broker, run `fleetscope up`.", file=sys.stderr)
+    return cfg.kafka

@@ -1,0 +1,133 @@
+"""The `fleetscope` command line. Each subcommand is documented in its --help and the README."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from fleetscope import config as config_mod
+from fleetscope.cli.common import kafka_or_explain, load_config, open_configured_store, parse_params
+
+
+def cmd_up(args) -> int:
+    from fleetscope.cli.up import run_up
+    return run_up(load_config(args), duration_s=args.duration, plain=args.plain)
+
+
+def cmd_agent(args) -> int:
+    cfg = load_config(args)
+    if not kafka_or_explain(cfg, "agent"):
+        return 2
+    from fleetscope.topics import all_topics, ensure_topics
+    from fleetscope.producers.agent import build_agent
+    ensure_topics(cfg.kafka, all_topics(cfg), cfg.partitions)
+    agent = build_agent(cfg, cfg.kafka)
+    try:
+        agent.run(duration_s=args.duration)
+    except KeyboardInterrupt:
+        agent.stop()
+    return 0
+
+
+def cmd_streams(args) -> int:
+    cfg = load_config(args)
+    if not kafka_or_explain(cfg, "streams"):
+        return 2
+    from fleetscope.streams.worker import run_streams
+    run_streams(cfg, cfg.kafka)
+    return 0
+
+
+def cmd_migrate(args) -> int:
+    store = open_configured_store(load_config(args))
+    try:
+        applied = store.migrate()
+    finally:
+        store.close()
+    print("applied: " + ", ".join(applied) if applied else "schema is up to date")
+    return 0
+
+
+def cmd_query(args) -> int:
+    from fleetscope.store import StoreError
+    store = open_configured_store(load_config(args))
+    try:
+        result = store.query(args.sql, parse_params(args.param))
+    except StoreError as exc:
+        print(f"query failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    if args.format == "json":
+        print(json.dumps(result.as_dicts(), default=str, indent=1))
+    elif args.format == "tsv":
+        print("\t".join(result.columns))
+        for row in result.rows:
+            print("\t".join(str(v) for v in row))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(*result.columns)
+        for row in result.rows:
+            table.add_row(*(str(v) for v in row))
+        Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleetscope", description="See inside ML jobs across a GPU fleet.")
+    p.add_argument("--config", help="TOML config file (default: $FLEETSCOPE_CONFIG)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="embedded all-in-one: broker, streams worker, agent and chDB, with live status")
+    up.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
+    up.add_argument("--plain", action="store_true", help="print a status line per second instead of a live display")
+    up.set_defaults(func=cmd_up)
+
+    agent = sub.add_parser("agent", help="run the node agent against FLEETSCOPE_KAFKA")
+    agent.add_argument("--duration", type=float, help="stop after this many seconds")
+    agent.set_defaults(func=cmd_agent)
+
+    streams = sub.add_parser("streams", help="run one stream worker against FLEETSCOPE_KAFKA")
+    streams.set_defaults(func=cmd_streams)
+
+    db = sub.add_parser("db", help="store administration")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    db_sub.add_parser("migrate", help="apply pending numbered migrations from sql/").set_defaults(func=cmd_migrate)
+
+    q = sub.add_parser("query", help="run SQL against the store (reaches a running `fleetscope up`)")
+    q.add_argument("sql", help="SQL; pass values as {name:Type} placeholders with --param")
+    q.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a query parameter")
+    q.add_argument("--format", choices=("table", "json", "tsv"), default="table")
+    q.set_defaults(func=cmd_query)
+    from fleetscope.cli.kb import register as register_diagnosis
+    register_diagnosis(sub)
+    from fleetscope.cli.bench import register as register_bench
+    register_bench(sub)
+    from fleetscope.cli.demo import register as register_demo
+    register_demo(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except config_mod.ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # known failures get one clear line, not a traceback
+        from fleetscope.broker import BrokerError
+        from fleetscope.store import StoreError
+        if isinstance(exc, (StoreError, BrokerError)):
+            print(f"fleetscope: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

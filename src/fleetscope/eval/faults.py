@@ -1,0 +1,399 @@
+"""Fault injectors: each one starts, stops, and leaves nothing behind, even after an error.
+
+Every injector is a `Fault` with start() and stop(); stop() is idempotent and undoes
+whatever part of start() happened. Use `with fault:` or try/finally. `make_fault()` builds
+one from a scenario's `fault` block. `strength` is in (0, 1]; 1 means the full amount named
+in the params.
+
+| kind             | what it does to the rank                                            | strength means              |
+|------------------|----------------------------------------------------------------------|-----------------------------|
+| cpu_quota        | child cgroup with a CFS quota (cpu.max / cpu.cfs_quota_us)           | share of `cpus` taken away  |
+| competing_load   | busy-loop hogs pinned to the rank's CPU; the rank pinned there too   | hog duty cycle              |
+| memory_pressure  | rank + a page-touching hog in one memory cgroup whose limit is short | share of the hog not fitting|
+| softirq_storm    | loopback UDP flood, sender and receiver pinned to the rank's CPU     | sender duty cycle           |
+| gc_storm, dataloader_stall, memcpy_stall, gpu_memory_leak | opt-in knob in the rank's control file, read by our workload | share of the knob's full amount |
+| link_delay       | a DelayRelay the rank connects through gets latency/bandwidth caps   | share of delay_ms, cap      |
+| none             | nothing (healthy runs)                                               | -                           |
+
+Honest notes:
+- softirq_storm: loopback has no hardware interrupt; the flood makes NET_RX softirq work on
+  the pinned CPU (cpu_softirq_frac, context switches), not hardirqs. A real IRQ storm
+  (a NIC's interrupts landing on the rank's core) needs hardware.
+- gc_storm, dataloader_stall and the GPU stand-in faults happen inside the training program.
+  Causing them from outside would mean changing the program, so our workloads read an
+  opt-in control file (FLEETSCOPE_WORKLOAD_CONTROL_DIR); the injector only writes that file.
+- link_delay reaches only connections made to the relay's address. gloo's peer connections
+  go straight to the addresses each rank publishes in the store; without netem (not built)
+  or netfilter userspace (not installed) they cannot be routed through a relay, so this
+  kind cannot degrade gloo's all-reduce. See benchmarks/scenarios/network_degradation.yaml.
+- memory_pressure on cgroup v1 (this machine): v1 has no memory.high, so the limit is
+  memory.limit_in_bytes with the OOM killer disabled for the group (tasks wait rather than
+  die); on v2 it is memory.high (throttling and reclaim, never a kill).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from fleetscope.eval.cgroups import FaultCgroup
+from fleetscope.eval.relay import DelayRelay
+
+KNOB_KINDS = {  # kind -> (knob name in the control file, its parameter, full amount)
+    "gc_storm": ("gc_storm", "cycles_per_step", 50000),
+    "dataloader_stall": ("dataloader_stall", "ms_per_batch", 200),
+    "memcpy_stall": ("memcpy_stall", "extra_ms", 50),
+    "gpu_memory_leak": ("gpu_memory_leak", "bytes_per_step", 64 << 20),
+}
+
+HOG = r"""
+import sys, time
+duty, period = float(sys.argv[1]), 0.01
+while True:
+    end = time.perf_counter() + duty * period
+    while time.perf_counter() < end:
+        pass
+    if duty < 1:
+        time.sleep(period * (1 - duty))
+"""
+
+MEMORY_HOG = r"""
+import sys, time
+buf = bytearray(int(sys.argv[1]) << 20)  # zero pages: charged only as they are touched
+while True:  # keep every page hot, so the pages that do not fit must be reclaimed again and again
+    for i in range(0, len(buf), 4096):
+        buf[i] = (buf[i] + 1) & 0xFF
+    time.sleep(0.05)
+"""
+
+UDP_FLOOD = r"""
+import socket, sys, time
+role, port, duty = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+if role == "rx":
+    s.bind(("127.0.0.1", port))
+    print("ready", flush=True)
+    while True:
+        s.recv(2048)
+payload, period = b"x" * 64, 0.01
+while True:
+    end = time.perf_counter() + duty * period
+    while time.perf_counter() < end:
+        s.sendto(payload, ("127.0.0.1", port))
+    if duty < 1:
+        time.sleep(period * (1 - duty))
+"""
+
+
+class FaultError(RuntimeError):
+    """A fault could not be injected; the message says which and why."""
+
+
+def _check_strength(kind: str, strength: float) -> float:
+    if not 0 < strength <= 1:
+        raise FaultError(f"{kind}: strength must be in (0, 1], got {strength}")
+    return float(strength)
+
+
+def last_cpu(pid: int) -> int:
+    """The CPU the process last ran on (field 39 of /proc/<pid>/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[36])
+
+
+def threads_of(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+class Fault:
+    kind = "none"
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def start(self) -> None:
+        self.active = True
+
+    def stop(self) -> None:
+        self.active = False
+
+    def describe(self) -> dict:
+        return {"kind": self.kind}
+
+    def __enter__(self) -> "Fault":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _Processes:
+    """Helper processes we started (hogs, floods); stop() kills exactly these pids."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, code: str, *args: str, cpu: int | None = None, wait_ready: bool = False) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(p)
+        if cpu is not None:
+            os.sched_setaffinity(p.pid, {cpu})
+        if wait_ready and p.stdout.readline().strip() != "ready":
+            raise FaultError(f"helper process {p.pid} exited with {p.poll()} before it was ready")
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+            if p.stdout:
+                p.stdout.close()
+        self.procs.clear()
+
+
+class _Pinning:
+    """Pin every thread of a process to one CPU; restore each thread's old mask on undo."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.saved: dict[int, set[int]] = {}
+
+    def pin(self, cpu: int) -> None:
+        for tid in threads_of(self.pid):
+            try:
+                self.saved[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, {cpu})
+            except ProcessLookupError:
+                pass
+
+    def undo(self) -> None:
+        for tid, mask in self.saved.items():
+            try:
+                os.sched_setaffinity(tid, mask)
+            except ProcessLookupError:
+                pass
+        self.saved.clear()
+
+
+class CpuQuota(Fault):
+    """Cap the rank's CPU time with a CFS quota in a child cgroup."""
+    kind = "cpu_quota"
+
+    def __init__(self, pid: int, strength: float, cpus: float = 1.0, period_us: int = 100_000):
+        super().__init__()
+        self.pid, self.strength = pid, _check_strength(self.kind, strength)
+        self.cpus, self.period_us = cpus, period_us
+        self.quota_us = max(1000, int(period_us * cpus * (1 - self.strength)))
+        self.cgroup: FaultCgroup | None = None
+
+    def start(self) -> None:
+        self.cgroup = FaultCgroup("cpu", f"cpu-quota-{self.pid}", self.pid)
+        if self.cgroup.version == 2:
+            self.cgroup.write("cpu.max", f"{self.quota_us} {self.period_us}")
+        else:
+            self.cgroup.write("cpu.cfs_period_us", str(self.period_us))
+            self.cgroup.write("cpu.cfs_quota_us", str(self.quota_us))
+        self.cgroup.add(self.pid)
+        super().start()
+
+    def stop(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.close()
+            self.cgroup = None
+        super().stop()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "pid": self.pid, "quota_us": self.quota_us, "period_us": self.period_us}
+
+
+class CompetingLoad(Fault):
+    """Busy-loop hogs on the rank's CPU, with the rank pinned there so it cannot run away."""
+    kind = "competing_load"
+
+    def __init__(self, pid: int, strength: float, hogs: int = 1, cpu: int | None = None, pin_rank: bool = True):
+        super().__init__()
+        self.pid, self.duty = pid, _check_strength(self.kind, strength)
+        self.hogs, self.cpu, self.pin_rank = hogs, cpu, pin_rank
+        self._procs, self._pinning = _Processes(), _Pinning(pid)
+
+    def start(self) -> None:
+        self.cpu = last_cpu(self.pid) if self.cpu is None else self.cpu
+        if self.pin_rank:
+            self._pinning.pin(self.cpu)
+        for _ in range(self.hogs):
+            self._procs.spawn(HOG, str(self.duty), cpu=self.cpu)
+        super().start()
+
+    def stop(self) -> None:
+        self._procs.stop()
+        self._pinning.undo()
+        super().stop()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "pid": self.pid, "cpu": self.cpu, "hogs": self.hogs, "duty": self.duty}
+
+
+class SoftirqStorm(CompetingLoad):
+    """A loopback UDP flood pinned to the rank's CPU: NET_RX softirq work lands there."""
+    kind = "softirq_storm"
+
+    def __init__(self, pid: int, strength: float, cpu: int | None = None, port: int = 0, pin_rank: bool = True):
+        super().__init__(pid, strength, hogs=0, cpu=cpu, pin_rank=pin_rank)
+        self.port = port
+
+    def start(self) -> None:
+        super().start()
+        if not self.port:
+            from fleetscope.eval.workloads.launch import free_port
+            self.port = free_port()
+        self._procs.spawn(UDP_FLOOD, "rx", str(self.port), "1", cpu=self.cpu, wait_ready=True)
+        self._procs.spawn(UDP_FLOOD, "tx", str(self.port), str(self.duty), cpu=self.cpu)
+
+
+class MemoryPressure(Fault):
+    """The rank and a page-touching hog share a memory cgroup whose limit the hog overfills."""
+    kind = "memory_pressure"
+
+    def __init__(self, pid: int, strength: float, hog_mb: int = 512):
+        super().__init__()
+        self.pid, self.strength, self.hog_mb = pid, _check_strength(self.kind, strength), hog_mb
+        self.cgroup: FaultCgroup | None = None
+        self._procs = _Processes()
+        self.limit_bytes = 0
+
+    def start(self) -> None:
+        self.cgroup = cg = FaultCgroup("memory", f"memory-{self.pid}", self.pid)
+        if cg.version == 1:
+            try:  # charge the rank's pages to the new group (v1 only; deprecated, may be absent)
+                cg.write("memory.move_charge_at_immigrate", "3")
+            except OSError:
+                pass
+            cg.write("memory.oom_control", "1")  # wait, never kill the rank
+        cg.add(self.pid)
+        usage = int(cg.read("memory.current" if cg.version == 2 else "memory.usage_in_bytes"))
+        self.limit_bytes = usage + int((self.hog_mb << 20) * (1 - self.strength))
+        cg.write("memory.high" if cg.version == 2 else "memory.limit_in_bytes", str(self.limit_bytes))
+        # The hog starts inside the group (it moves itself before exec) and faults its pages in
+        # over about a second; past the limit, the group's file pages (the rank's code and
+        # cache) are reclaimed and faulted back in, and allocations stall.
+        self._procs.procs.append(subprocess.Popen(
+            [sys.executable, "-c", MEMORY_HOG, str(self.hog_mb)], stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True,
+            preexec_fn=lambda: (cg.path / "cgroup.procs").write_text(str(os.getpid()))))
+        super().start()
+
+    def stop(self) -> None:
+        self._procs.stop()
+        if self.cgroup is not None:
+            self.cgroup.close()
+            self.cgroup = None
+        super().stop()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "pid": self.pid, "hog_mb": self.hog_mb, "limit_bytes": self.limit_bytes}
+
+
+class WorkloadKnob(Fault):
+    """Turn on an opt-in fault knob in the rank's control file; remove it on stop."""
+
+    def __init__(self, kind: str, control_dir: Path, rank: int, strength: float, params: dict | None = None):
+        super().__init__()
+        if kind not in KNOB_KINDS:
+            raise FaultError(f"unknown workload knob {kind!r}; known: {sorted(KNOB_KINDS)}")
+        self.kind = kind
+        knob, param, full = KNOB_KINDS[kind]
+        self.knob = knob
+        self.settings = {param: (params or {}).get(param, full) * _check_strength(kind, strength)}
+        self.path = Path(control_dir) / f"rank{rank}.json"
+
+    def _write(self, knobs: dict) -> None:
+        if not knobs:
+            self.path.unlink(missing_ok=True)
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(knobs))
+        os.replace(tmp, self.path)  # the workload never reads a half-written file
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def start(self) -> None:
+        if not self.path.parent.is_dir():
+            raise FaultError(f"{self.kind}: control dir {self.path.parent} does not exist; start the workload "
+                             "with FLEETSCOPE_WORKLOAD_CONTROL_DIR pointing there")
+        self._write({**self._read(), self.knob: self.settings})
+        super().start()
+
+    def stop(self) -> None:
+        knobs = self._read()
+        knobs.pop(self.knob, None)
+        self._write(knobs)
+        super().stop()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "file": str(self.path), self.knob: self.settings}
+
+
+class LinkDelay(Fault):
+    """Add latency and a bandwidth cap to a relay the rank's traffic already goes through."""
+    kind = "link_delay"
+
+    def __init__(self, relay: DelayRelay, strength: float, delay_ms: float = 20.0, bandwidth_mbps: float = 0.0):
+        super().__init__()
+        self.relay, s = relay, _check_strength(self.kind, strength)
+        self.delay_s = delay_ms / 1000.0 * s
+        # strength 1 caps at bandwidth_mbps; weaker faults leave more (cap / strength); 0 = no cap
+        self.bandwidth_bps = bandwidth_mbps * 1e6 / s if bandwidth_mbps else 0.0
+        self._saved: tuple[float, float] | None = None
+
+    def start(self) -> None:
+        self._saved = (self.relay.delay_s, self.relay.bandwidth_bps)
+        self.relay.set(self.delay_s, self.bandwidth_bps)
+        super().start()
+
+    def stop(self) -> None:
+        if self._saved is not None:
+            self.relay.set(*self._saved)
+            self._saved = None
+        super().stop()
+
+
+def make_fault(kind: str, *, pid: int | None = None, rank: int | None = None, strength: float = 1.0,
+               params: dict | None = None, control_dir: Path | None = None,
+               relay: DelayRelay | None = None) -> Fault:
+    """Build the injector for a scenario's fault block (pid: the faulty rank's process)."""
+    params = dict(params or {})
+
+    def need(what, value):
+        if value is None:
+            raise FaultError(f"fault {kind!r} needs {what}")
+        return value
+
+    if kind == "none":
+        return Fault()
+    if kind in KNOB_KINDS:
+        return WorkloadKnob(kind, need("control_dir (the workload's FLEETSCOPE_WORKLOAD_CONTROL_DIR)", control_dir),
+                            need("rank", rank), strength, params)
+    if kind == "link_delay":
+        return LinkDelay(need("relay", relay), strength, **params)
+    cls = {c.kind: c for c in (CpuQuota, CompetingLoad, SoftirqStorm, MemoryPressure)}.get(kind)
+    if cls is None:
+        raise FaultError(f"unknown fault kind {kind!r}; known: none, link_delay, "
+                         f"{', '.join(sorted([*KNOB_KINDS, 'cpu_quota', 'competing_load', 'softirq_storm', 'memory_pressure']))}")
+    try:
+        return cls(need("pid", pid), strength, **params)
+    except TypeError as e:
+        raise FaultError(f"fault {kind!r}: bad params {params}: {e}") from None
