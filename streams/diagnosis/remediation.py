@@ -8,17 +8,26 @@ Safety rules, all enforced here:
   also needs the entry's `auto: true`.
 - Commands never pass through a shell: the KB's command is split once at load
   time, and each {placeholder} is filled inside its own argv token. A value
-  must match SAFE_VALUE (no spaces, quotes or shell characters) and must not
-  start with '-', so it cannot smuggle in an option.
+  must match the shape of its parameter kind (PARAM_SHAPES: a host name, an
+  integer, a CPU list like 0-3,5, a GPU index or UUID; any other placeholder
+  is a plain name), so no slash, space, quote or shell character gets in, and
+  no leading '-' can smuggle in an option.
+- The identity values (tenant, job, host, rank) come from the diagnosis only:
+  an operator's params may not override them (IdentityOverride), so
+  `--param host=node-b` cannot retarget an action allowed for node-a.
 - A `write` goes only to a path under /sys/ or /proc/ without '..'.
 - Every decision (dry run, refusal, run) yields a LogRecord with evidence from
-  before and after, for the remediation_log table.
+  before and after, for the remediation_log table. Before anything runs on the
+  machine (the evidence check included), a "started" record goes to the
+  journal and the Python log; if the journal cannot take it, nothing runs.
+  The outcome follows as a second record.
 - The executor is injected: tests pass a recording one; LocalExecutor is the
   only thing that touches the machine, and it acts only on its own host.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shlex
@@ -31,12 +40,55 @@ from typing import Callable, Mapping, Protocol
 
 from fleetscope.streams.diagnosis.kb import PLACEHOLDER_RE, Entry
 
-SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:@/+=][A-Za-z0-9_.,:@/+=-]*$")
 OUTPUT_HEAD = 4000  # characters of stdout/stderr kept in the log
+log = logging.getLogger(__name__)
+
+# Identity values come from the diagnosis; an operator may not override them.
+IDENTITY_PARAMS = ("tenant", "job", "host", "rank")
+
+# What each parameter kind may look like. None allows '/', a space, a quote or a
+# shell character, and none may start with '-'.
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@+=-]{0,127}$")
+HOST_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9])?$")
+INTEGER = re.compile(r"^(?:0|[1-9][0-9]{0,9})$")
+CPU_LIST = re.compile(r"^[0-9]{1,5}(?:-[0-9]{1,5})?(?:,[0-9]{1,5}(?:-[0-9]{1,5})?)*$")
+GPU_ID = re.compile(r"^(?:[0-9]{1,3}|GPU-[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}"
+                    r"|[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])$")
+PARAM_SHAPES: dict[str, re.Pattern] = {
+    "tenant": NAME, "job": NAME, "host": HOST_NAME, "rank": INTEGER,
+    "pid": INTEGER, "irq": INTEGER, "numa_node": INTEGER, "gpu": GPU_ID, "cpus": CPU_LIST,
+}
+SHAPE_NAMES = {NAME: "a name", HOST_NAME: "a host name", INTEGER: "a non-negative integer",
+               CPU_LIST: "a CPU list like 0-3,5", GPU_ID: "a GPU index, UUID or PCI bus id"}
 
 
 class RemediationError(ValueError):
     pass
+
+
+class IdentityOverride(RemediationError):
+    """An operator's params tried to set an identity value."""
+
+
+def check_operator_params(params: Mapping[str, str]) -> None:
+    """Refuse params that name an identity value; they come from the diagnosis."""
+    taken = [name for name in IDENTITY_PARAMS if name in params]
+    if taken:
+        raise IdentityOverride(
+            f"--param {', '.join(taken)} refused: tenant, job, host and rank come from the diagnosis, "
+            f"not from --param (choose hosts with --allow-host, ranks with --rank)")
+
+
+def shape_of(name: str) -> re.Pattern:
+    return PARAM_SHAPES.get(name, NAME)
+
+
+def unsafe_reason(name: str, value: str) -> str | None:
+    """Why value cannot fill placeholder `name`, or None when it fits the shape."""
+    shape = shape_of(name)
+    if shape.match(value):
+        return None
+    return f"{name} (unsafe value {value!r}: must be {SHAPE_NAMES[shape]})"
 
 
 @dataclass(frozen=True)
@@ -148,7 +200,7 @@ class LogRecord:
     window_start_ns: int
     kb_entry: str
     mode: str           # "dry_run" | "refused" | "execute"
-    status: str         # "planned" | "refused" | "ok" | "failed"
+    status: str         # "planned" | "refused" | "started" (intent, before acting) | "ok" | "failed"
     command: str
     reason: str
     risk: str
@@ -166,8 +218,11 @@ class LogRecord:
 
 def plan(entry: Entry, *, tenant: str, job: str, host: str, rank: int, window_start_ns: int = 0,
          params: Mapping[str, str] | None = None, evidence: Mapping[str, float] | None = None) -> Action:
-    """Fill the entry's command with the anomaly's identity and the operator's params."""
-    values = {"tenant": tenant, "job": job, "host": host, "rank": str(rank), **dict(params or {})}
+    """Fill the entry's command with the anomaly's identity and the operator's params.
+
+    Raises IdentityOverride when params name tenant, job, host or rank."""
+    check_operator_params(params or {})
+    values = {**dict(params or {}), "tenant": tenant, "job": job, "host": host, "rank": str(rank)}
     rem = entry.remediation
     missing: set[str] = set()
     fill = _filler(values, missing)
@@ -182,9 +237,14 @@ def plan(entry: Entry, *, tenant: str, job: str, host: str, rank: int, window_st
                   check, rem.risk, rem.auto, rem.requires, tuple(sorted(missing)), dict(evidence or {}))
 
 
-def run_action(action: Action, policy: Policy, executor: Executor, *, operator: str = "",
-               timeout_s: float = 30.0, clock: Callable[[], int] = time.time_ns) -> LogRecord:
-    """Decide, then (only in execute mode) check, act and check again; always log."""
+def run_action(action: Action, policy: Policy, executor: Executor, *, journal: Callable[[LogRecord], None],
+               operator: str = "", timeout_s: float = 30.0, clock: Callable[[], int] = time.time_ns) -> LogRecord:
+    """Decide, then (only in execute mode) check, act and check again; journal every record.
+
+    `journal` receives each record as it is made (the CLI writes it to
+    remediation_log at once). In execute mode the first record, status
+    "started", is journaled before the executor is touched: if journaling
+    raises, nothing runs. The returned record is the outcome, journaled too."""
     mode, reason = policy.decide(action)
     before = {k: repr(v) for k, v in action.evidence.items()}
     after: dict[str, str] = {}
@@ -196,6 +256,11 @@ def run_action(action: Action, policy: Policy, executor: Executor, *, operator: 
         if absent:
             mode, reason = "refused", f"required tools missing on {action.host}: {', '.join(absent)}"
     if mode == "execute":
+        intent = _record(action, clock, "execute", "started", "about to run; the outcome follows in its own record",
+                         None, before, {}, operator)
+        log.warning("remediation starting: %s on %s rank %d: %s (operator %s)", action.entry, action.host,
+                    action.rank, action.describe(), operator or "-")
+        journal(intent)  # raises if the intent cannot be recorded: then nothing runs
         if action.check:
             before["check"] = _output(executor.run(action.check, timeout_s))
         result = (executor.write(action.path, action.value) if action.kind == "write"
@@ -206,6 +271,18 @@ def run_action(action: Action, policy: Policy, executor: Executor, *, operator: 
     elif mode == "dry_run":
         after["dry_run"] = "nothing was executed"
     status = {"dry_run": "planned", "refused": "refused"}.get(mode) or ("ok" if result.exit_code == 0 else "failed")
+    record = _record(action, clock, mode, status, reason, result, before, after, operator)
+    if mode == "execute":
+        log.warning("remediation %s: %s on %s rank %d: %s exited %d", status, action.entry, action.host,
+                    action.rank, action.describe(), result.exit_code)
+    else:
+        log.info("remediation %s: %s on %s rank %d: %s", status, action.entry, action.host, action.rank, reason)
+    journal(record)
+    return record
+
+
+def _record(action: Action, clock: Callable[[], int], mode: str, status: str, reason: str,
+            result: ExecResult | None, before: dict[str, str], after: dict[str, str], operator: str) -> LogRecord:
     return LogRecord(
         ts_ns=int(clock()), action_id=action.action_id, tenant=action.tenant, job=action.job, host=action.host,
         rank=action.rank, window_start_ns=action.window_start_ns, kb_entry=action.entry, mode=mode,
@@ -213,7 +290,7 @@ def run_action(action: Action, policy: Policy, executor: Executor, *, operator: 
         exit_code=result.exit_code if result else -1,
         stdout_head=(result.stdout if result else "")[:OUTPUT_HEAD],
         stderr_head=(result.stderr if result else "")[:OUTPUT_HEAD],
-        evidence_before=before, evidence_after=after, operator=operator)
+        evidence_before=dict(before), evidence_after=dict(after), operator=operator)
 
 
 def render(action: Action, record: LogRecord) -> str:
@@ -237,8 +314,9 @@ def _filler(values: Mapping[str, str], missing: set[str]) -> Callable[[str], str
             missing.add(name)
             return f"<missing:{name}>"
         v = str(v)
-        if not SAFE_VALUE.match(v):
-            missing.add(f"{name} (unsafe value {v!r})")
+        why = unsafe_reason(name, v)
+        if why:
+            missing.add(why)
             return f"<unsafe:{name}>"
         return v
     return lambda text: PLACEHOLDER_RE.sub(sub, text)

@@ -195,10 +195,16 @@ def remediation_targets(store, job: str, since_ms: int, tenant: str | None = Non
 def cmd_remediate(args, cfg, executor=None) -> int:
     """Plan every diagnosed (entry, host, rank); run only what policy allows; log all of it."""
     from fleetscope.streams.diagnosis.records import remediation_log_columns
-    from fleetscope.streams.diagnosis.remediation import LocalExecutor, Policy, plan, render, run_action
+    from fleetscope.streams.diagnosis.remediation import (LocalExecutor, Policy, RemediationError,
+                                                          check_operator_params, plan, render, run_action)
 
     kb = _kb(args)
     params = parse_params(args.param)
+    try:
+        check_operator_params(params)
+    except RemediationError as exc:
+        print(f"fleetscope remediate: {exc}", file=sys.stderr)
+        return 2
     policy = Policy(execute=bool(args.execute), allowed_entries=frozenset(args.allow_entry),
                     allowed_hosts=frozenset(args.allow_host))
     if args.execute and not (args.allow_entry and args.allow_host):
@@ -206,6 +212,12 @@ def cmd_remediate(args, cfg, executor=None) -> int:
               file=sys.stderr)
     executor = executor or LocalExecutor(cfg.host)
     store = _open_store(cfg)
+
+    def journal(rec) -> None:
+        # One row per record, written at once: the intent lands before anything runs.
+        store.insert("remediation_log", remediation_log_columns([rec]),
+                     dedupe_token=f"remediate-{rec.record_id}-{rec.status}")
+
     try:
         targets = remediation_targets(store, args.job, parse_since(args.since), args.tenant, args.entry, args.rank,
                                       args.min_confidence, args.limit)
@@ -217,12 +229,9 @@ def cmd_remediate(args, cfg, executor=None) -> int:
                 continue
             action = plan(entry, tenant=t["best_tenant"], job=args.job, host=t["host"], rank=t["rank"],
                           window_start_ns=t["window_ns"], params=params, evidence=t["best_evidence"])
-            rec = run_action(action, policy, executor, operator=args.operator)
+            rec = run_action(action, policy, executor, operator=args.operator, journal=journal)
             records.append(rec)
             print(f"{render(action, rec)}\n  confidence {t['best_confidence']:.2f}\n")
-        if records:
-            store.insert("remediation_log", remediation_log_columns(records),
-                         dedupe_token=f"remediate-{records[0].record_id}-{len(records)}")
     finally:
         store.close()
     if unknown:
