@@ -47,4 +47,4 @@ bench-scoring:
 	$(PY) benchmarks/scoring_bench.py
 
 bench-scenarios:
-	$(VENV)/bin/fleetscope bench scenario benchmarks/scenarios/*.yaml --out benchmarks/results
+	$(VENV)/bin/fleetscope bench scenario benchmarks/scenarios/dev benchmarks/scenarios/test --repeats 3 --out benchmarks/results

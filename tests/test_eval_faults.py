@@ -206,7 +206,7 @@ def test_memory_pressure_runs_only_where_a_limit_reaches_the_rank():
     from fleetscope.eval.cgroups import memory_charges_move
     from fleetscope.eval.runner import ScenarioSkipped, check_requirements
     from fleetscope.eval.scenario import load_scenario
-    s = load_scenario(Path(__file__).resolve().parents[1] / "benchmarks/scenarios/memory_pressure.yaml")
+    s = load_scenario(Path(__file__).resolve().parents[1] / "benchmarks/scenarios/test/memory_pressure.yaml")
     why = memory_charges_move()
     if why:
         with pytest.raises(ScenarioSkipped, match="fault would do nothing"):

@@ -13,6 +13,12 @@ in the params.
 | softirq_storm    | loopback UDP flood, sender and receiver pinned to the rank's CPU     | sender duty cycle           |
 | gc_storm, dataloader_stall, memcpy_stall, gpu_memory_leak | opt-in knob in the rank's control file, read by our workload | share of the knob's full amount |
 | link_delay       | a DelayRelay the rank connects through gets latency/bandwidth caps   | share of delay_ms, cap      |
+| hang             | knob: the rank stops calling collectives while it is set (ddp_cpu)   | -                           |
+| gpu_throttle     | knob: the stand-in's kernels take longer, as at lower clocks         | share of kernel_slowdown    |
+| crash            | SIGKILL of the rank process (torchrun then ends the job)             | -                           |
+| irq_affinity     | device IRQs moved onto the rank's CPU (/proc/irq/N/smp_affinity),    | duty of the disk I/O helper |
+|                  | rank pinned there, a disk writer elsewhere makes those IRQs fire     |                             |
+| thp_off          | transparent huge pages set to never for the node, restored after     | -                           |
 | none             | nothing (healthy runs)                                               | -                           |
 
 Honest notes:
@@ -26,6 +32,17 @@ Honest notes:
   go straight to the addresses each rank publishes in the store; without netem (not built)
   or netfilter userspace (not installed) they cannot be routed through a relay, so this
   kind cannot degrade gloo's all-reduce. See benchmarks/scenarios/network_degradation.yaml.
+  It is therefore never scored on ddp_cpu (UNSCORED); on the GPU stand-in, whose ring goes
+  through relays, it is real and scored.
+- Not made here at all: NUMA misplacement (a one-node VM has one NUMA node), and the NVML side
+  of GPU faults (throttle reasons, power capping, XID events, ECC errors): the fake NVML
+  library reads its script once at nvmlInit and the evaluation stack does not load it, so those
+  signals cannot change in the middle of a run. gpu_throttle makes only the workload side real
+  (slower kernels); the detector sees no throttle reason.
+- irq_affinity on this VM moves virtio IRQs (disk, network); there is no real NIC. Some IRQs
+  refuse a new mask (managed IRQs: EIO); those are skipped, and if none moves the fault fails
+  rather than running as a no-op.
+- thp_off: a small job may not notice; the run's measured impact says so ("no effect").
 - memory_pressure on cgroup v1 (this machine): v1 has no memory.high, so the limit is
   memory.limit_in_bytes with the OOM killer disabled for the group (tasks wait rather than
   die); on v2 it is memory.high (throttling and reclaim, never a kill).
@@ -47,7 +64,17 @@ KNOB_KINDS = {  # kind -> (knob name in the control file, its parameter, full am
     "dataloader_stall": ("dataloader_stall", "ms_per_batch", 200),
     "memcpy_stall": ("memcpy_stall", "extra_ms", 50),
     "gpu_memory_leak": ("gpu_memory_leak", "bytes_per_step", 64 << 20),
+    "hang": ("hang", "poll_ms", 50),
+    "gpu_throttle": ("gpu_throttle", "kernel_slowdown", 1.0),
 }
+
+# (kind, workload) pairs this machine cannot make real: reported, never scored.
+UNSCORED = {("link_delay", "ddp_cpu"): "gloo's peer connections bypass the relay and there is no netem here"}
+NODE_WIDE_KINDS = {"thp_off"}  # one injector for the node, whatever the target
+
+
+def unscored_reason(kind: str, workload: str) -> str | None:
+    return UNSCORED.get((kind, workload))
 
 HOG = r"""
 import sys, time
@@ -217,19 +244,22 @@ class CpuQuota(Fault):
 
 
 class CompetingLoad(Fault):
-    """Busy-loop hogs on the rank's CPU, with the rank pinned there so it cannot run away."""
+    """Busy-loop hogs on the rank's CPU, with the rank pinned there so it cannot run away.
+    With pid None (a noisy process outside the job) the hogs go on `cpu`, or anywhere when None."""
     kind = "competing_load"
 
-    def __init__(self, pid: int, strength: float, hogs: int = 1, cpu: int | None = None, pin_rank: bool = True):
+    def __init__(self, pid: int | None, strength: float, hogs: int = 1, cpu: int | None = None,
+                 pin_rank: bool = True):
         super().__init__()
         self.pid, self.duty = pid, _check_strength(self.kind, strength)
         self.hogs, self.cpu, self.pin_rank = hogs, cpu, pin_rank
-        self._procs, self._pinning = _Processes(), _Pinning(pid)
+        self._procs, self._pinning = _Processes(), _Pinning(pid or 0)
 
     def start(self) -> None:
-        self.cpu = last_cpu(self.pid) if self.cpu is None else self.cpu
-        if self.pin_rank:
-            self._pinning.pin(self.cpu)
+        if self.pid is not None:
+            self.cpu = last_cpu(self.pid) if self.cpu is None else self.cpu
+            if self.pin_rank:
+                self._pinning.pin(self.cpu)
         for _ in range(self.hogs):
             self._procs.spawn(HOG, str(self.duty), cpu=self.cpu)
         super().start()
@@ -371,10 +401,164 @@ class LinkDelay(Fault):
         super().stop()
 
 
+class Crash(Fault):
+    """SIGKILL the rank process, as an OOM kill or a segfault would end it. Nothing to undo:
+    under torchrun (--max-restarts=0) the other ranks are then stopped too, as in a real job."""
+    kind = "crash"
+
+    def __init__(self, pid: int, strength: float = 1.0):
+        super().__init__()
+        self.pid = pid
+        self.killed = False
+
+    def start(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            raise FaultError(f"crash: rank process {self.pid} is already gone") from None
+        self.killed = True
+        super().start()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "pid": self.pid, "killed": self.killed}
+
+
+DISK_WRITER = r"""
+import os, sys, time
+path, duty, period = sys.argv[1], float(sys.argv[2]), 0.01
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+block = os.urandom(64 << 10)
+try:
+    while True:  # every fsync is a disk request; its completion is a virtio-blk interrupt
+        end = time.perf_counter() + duty * period
+        while time.perf_counter() < end:
+            os.pwrite(fd, block, 0)
+            os.fsync(fd)
+        if duty < 1:
+            time.sleep(period * (1 - duty))
+finally:
+    os.unlink(path)
+"""
+
+
+def device_irqs() -> dict[int, tuple[int, str]]:
+    """IRQ number -> (interrupts so far over every CPU, name), from /proc/interrupts."""
+    out = {}
+    lines = Path("/proc/interrupts").read_text().splitlines()
+    ncpu = len(lines[0].split())
+    for line in lines[1:]:
+        head, _, rest = line.partition(":")
+        if not head.strip().isdigit():
+            continue
+        cols = rest.split()
+        counts = [int(c) for c in cols[:ncpu] if c.isdigit()]
+        out[int(head)] = (sum(counts), " ".join(cols[ncpu:]))
+    return out
+
+
+class IrqAffinity(Fault):
+    """Move device IRQs onto the rank's CPU through /proc/irq/N/smp_affinity, pin the rank
+    there, and keep a disk writer (on another CPU) busy so those IRQs really fire.
+
+    `irqs`: substrings of IRQ names to move (default: every device IRQ that has fired);
+    IRQs that refuse a new mask are skipped and listed. Old masks are restored on stop."""
+    kind = "irq_affinity"
+
+    def __init__(self, pid: int, strength: float, irqs: list[str] | None = None, cpu: int | None = None,
+                 io_load: bool = True, scratch_dir: str = "/var/tmp"):
+        super().__init__()
+        self.pid, self.duty = pid, _check_strength(self.kind, strength)
+        self.names, self.cpu, self.io_load, self.scratch_dir = irqs, cpu, io_load, scratch_dir
+        self.saved: dict[int, str] = {}
+        self.refused: list[int] = []
+        self._procs, self._pinning = _Processes(), _Pinning(pid)
+
+    def start(self) -> None:
+        self.cpu = last_cpu(self.pid) if self.cpu is None else self.cpu
+        mask = format(1 << self.cpu, "x")
+        for irq, (count, name) in sorted(device_irqs().items()):
+            if self.names is not None and not any(n in name for n in self.names):
+                continue
+            if self.names is None and count == 0:
+                continue
+            f = Path(f"/proc/irq/{irq}/smp_affinity")
+            try:
+                old = f.read_text().strip()
+                f.write_text(mask)
+                self.saved[irq] = old
+            except OSError:
+                self.refused.append(irq)
+        if not self.saved:
+            raise FaultError(f"irq_affinity: no IRQ accepted a new affinity (refused: {self.refused}); "
+                             "the fault would do nothing")
+        self._pinning.pin(self.cpu)
+        if self.io_load:
+            others = sorted(os.sched_getaffinity(0) - {self.cpu})
+            self._procs.spawn(DISK_WRITER, os.path.join(self.scratch_dir, f"fleetscope-irq-{os.getpid()}.bin"),
+                              str(self.duty), cpu=others[0] if others else None)
+        super().start()
+
+    def stop(self) -> None:
+        self._procs.stop()
+        for irq, old in self.saved.items():
+            try:
+                Path(f"/proc/irq/{irq}/smp_affinity").write_text(old)
+            except OSError:
+                pass  # the IRQ went away with its device
+        self.saved.clear()
+        self._pinning.undo()
+        super().stop()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "pid": self.pid, "cpu": self.cpu, "irqs": sorted(self.saved),
+                "refused": self.refused, "io_duty": self.duty if self.io_load else 0}
+
+
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+class ThpOff(Fault):
+    """Transparent huge pages off for the whole node (`never`); the old mode is restored on stop.
+    New anonymous memory then comes in 4 KiB pages: more TLB misses and page faults."""
+    kind = "thp_off"
+
+    def __init__(self, strength: float = 1.0, path: Path = THP_ENABLED):
+        super().__init__()
+        self.path = Path(path)
+        self.saved: str | None = None
+
+    def start(self) -> None:
+        try:
+            text = self.path.read_text()
+        except OSError as e:
+            raise FaultError(f"thp_off: cannot read {self.path}: {e}") from None
+        if "[" not in text:
+            raise FaultError(f"thp_off: unexpected contents of {self.path}: {text.strip()!r}")
+        self.saved = text.split("[", 1)[1].split("]", 1)[0]
+        if self.saved == "never":
+            raise FaultError("thp_off: transparent huge pages are already off here; the fault would do nothing")
+        try:
+            self.path.write_text("never")
+        except OSError as e:
+            self.saved = None
+            raise FaultError(f"thp_off: cannot write {self.path}: {e} (needs root)") from None
+        super().start()
+
+    def stop(self) -> None:
+        if self.saved is not None:
+            self.path.write_text(self.saved)
+            self.saved = None
+        super().stop()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "file": str(self.path), "restores": self.saved}
+
+
 def make_fault(kind: str, *, pid: int | None = None, rank: int | None = None, strength: float = 1.0,
                params: dict | None = None, control_dir: Path | None = None,
-               relay: DelayRelay | None = None) -> Fault:
-    """Build the injector for a scenario's fault block (pid: the faulty rank's process)."""
+               relay: DelayRelay | None = None, outside: bool = False) -> Fault:
+    """Build the injector for one target of a scenario's fault (pid: that rank's process).
+    outside=True: a process beside the job, touching none of its ranks (competing_load only)."""
     params = dict(params or {})
 
     def need(what, value):
@@ -384,15 +568,22 @@ def make_fault(kind: str, *, pid: int | None = None, rank: int | None = None, st
 
     if kind == "none":
         return Fault()
+    if outside:
+        if kind != "competing_load":
+            raise FaultError(f"fault {kind!r} cannot run outside the job; only competing_load can")
+        return CompetingLoad(None, strength, **{"pin_rank": False, **params})
     if kind in KNOB_KINDS:
         return WorkloadKnob(kind, need("control_dir (the workload's FLEETSCOPE_WORKLOAD_CONTROL_DIR)", control_dir),
                             need("rank", rank), strength, params)
     if kind == "link_delay":
         return LinkDelay(need("relay", relay), strength, **params)
-    cls = {c.kind: c for c in (CpuQuota, CompetingLoad, SoftirqStorm, MemoryPressure)}.get(kind)
+    if kind == "thp_off":
+        return ThpOff(strength, **params)
+    classes = (CpuQuota, CompetingLoad, SoftirqStorm, MemoryPressure, Crash, IrqAffinity)
+    cls = {c.kind: c for c in classes}.get(kind)
     if cls is None:
-        raise FaultError(f"unknown fault kind {kind!r}; known: none, link_delay, "
-                         f"{', '.join(sorted([*KNOB_KINDS, 'cpu_quota', 'competing_load', 'softirq_storm', 'memory_pressure']))}")
+        raise FaultError(f"unknown fault kind {kind!r}; known: none, link_delay, thp_off, "
+                         f"{', '.join(sorted([*KNOB_KINDS, *(c.kind for c in classes)]))}")
     try:
         return cls(need("pid", pid), strength, **params)
     except TypeError as e:

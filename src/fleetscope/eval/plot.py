@@ -1,4 +1,5 @@
-"""PNG of anomaly score over time per rank, with the threshold and the fault interval shaded."""
+"""PNG of anomaly score over time per rank, with the threshold, each fault's bursts shaded and the
+rank's measured step rate on a second axis."""
 from __future__ import annotations
 
 import math
@@ -23,8 +24,10 @@ def _pyplot():
     return plt
 
 
-def plot_scores(truth: Truth, results: list[WindowResult], path: Path, title: str = "") -> Path:
-    """One panel per rank: score per window (x = window middle, seconds), threshold, flags, fault shading."""
+def plot_scores(truth: Truth, results: list[WindowResult], path: Path, title: str = "",
+                rates: dict[int, list] | None = None) -> Path:
+    """One panel per rank: score per window (x = window middle, seconds), threshold, flags (waiting
+    flags hollow), fault shading (orange: this rank is a culprit), step rate (green, right axis)."""
     plt = _pyplot()
     ranks = list(truth.ranks)
     fig, axes = plt.subplots(len(ranks), 1, sharex=True, figsize=(10, 1.8 + 1.6 * len(ranks)), squeeze=False)
@@ -36,13 +39,27 @@ def plot_scores(truth: Truth, results: list[WindowResult], path: Path, title: st
         thr = [(x, r.threshold) for x, r in zip(xs, mine) if not math.isnan(r.threshold)]
         if thr:
             ax.step([x for x, _ in thr], [t for _, t in thr], where="mid", ls="--", color="gray", label="threshold")
-        flagged = [(x, r.score) for x, r in zip(xs, mine) if r.flagged]
+        flagged = [(x, r.score) for x, r in zip(xs, mine) if r.culprit_flag]
         if flagged:
             ax.scatter([x for x, _ in flagged], [s for _, s in flagged], color="red", zorder=3, label="flagged")
-        if not truth.healthy:
-            faulty = rank in truth.faulty_ranks
-            ax.axvspan(truth.fault_start_s, truth.fault_end_s, color="orange" if faulty else "gray",
-                       alpha=0.25 if faulty else 0.1, label="fault" if faulty else "fault (other rank)")
+        waiting = [(x, r.score) for x, r in zip(xs, mine) if r.flagged and not r.culprit_flag]
+        if waiting:
+            ax.scatter([x for x, _ in waiting], [s for _, s in waiting], facecolors="none", edgecolors="red",
+                       zorder=3, label="flagged, waiting")
+        labelled = set()
+        for f in truth.faults:
+            culprit = rank in f.culprits
+            lab = "fault" if culprit else "fault (other rank)"
+            for a, b in f.intervals:
+                ax.axvspan(a, b, color="orange" if culprit else "gray", alpha=0.25 if culprit else 0.1,
+                           label=None if lab in labelled else lab)
+                labelled.add(lab)
+        if rates and rates.get(rank):
+            ax2 = ax.twinx()
+            pts = [((k + 0.5) * w, v) for k, v in enumerate(rates[rank]) if v is not None]
+            ax2.plot([x for x, _ in pts], [v for _, v in pts], color="green", lw=0.8, alpha=0.7)
+            ax2.set_ylabel("steps/s", color="green", fontsize=7)
+            ax2.set_ylim(bottom=0)
         ax.set_ylabel(f"rank {rank}")
         ax.legend(loc="upper left", fontsize=7)
     axes[-1, 0].set_xlabel("seconds since start")

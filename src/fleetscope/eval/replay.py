@@ -21,6 +21,9 @@ from fleetscope.eval.scenario import load_scenario
 from fleetscope.eval.scorer import WindowResult, score_run, summarize
 
 
+# A replay scores settings on the very runs it is tuned on: never a default, never a result.
+SETTINGS_NOTE = ("settings picked on the scored runs: these numbers are optimistic and must not choose a default; "
+                 "choose on benchmarks/scenarios/dev and report benchmarks/scenarios/test")
 JOIN_NODE = False  # as streams/scoring.py: the model scores each rank's own features; --join-node for the old way
 
 
@@ -46,7 +49,7 @@ def load_steps(data_dir: Path, job: str) -> list[tuple[int, list[tuple[int, dict
 
 def replay(result: dict, overrides: dict) -> tuple[list, dict]:
     """(score rows as the runner collects them, the Score dict) for one kept run."""
-    from fleetscope.eval.runner import ONSET_GRACE_WINDOWS, RECOVERY_GRACE_WINDOWS, window_of
+    from fleetscope.eval.timegrid import ONSET_GRACE_WINDOWS, RECOVERY_GRACE_WINDOWS, window_of
     from fleetscope.streams.model import JobModel, ModelConfig
     cfg = ModelConfig(warmup_windows=result["warmup_windows"], rule=result["detect_rule"])
     dspot = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("dspot.")}
@@ -64,7 +67,8 @@ def replay(result: dict, overrides: dict) -> tuple[list, dict]:
         for s in model.process_window(ws, rows):
             if lo <= ws < hi:
                 scores.append((s.rank, ws, s.score, s.threshold, s.is_anomaly, s.detectors))
-    truth = replace(load_scenario(result["file"]).truth(), ranks=tuple(range(result["ranks"])), window_s=w)
+    effects = {i: f.get("impact", {}).get("effect") for i, f in enumerate(result.get("faults", []))}
+    truth = replace(load_scenario(result["file"]).truth(effects), ranks=tuple(range(result["ranks"])), window_s=w)
     res = [WindowResult(rank=r, window=window_of(ws, t0, w), flagged=bool(a)) for r, ws, _, _, a, _ in scores]
     sc = score_run(truth, res, onset_grace_s=ONSET_GRACE_WINDOWS * w, recovery_grace_s=RECOVERY_GRACE_WINDOWS * w)
     return scores, sc
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
             continue
         _, sc = replay(result, overrides)
         scores[result["scenario"]] = sc
-        if result["fault"]["kind"] == "none":
+        if result.get("healthy", result.get("fault", {}).get("kind") == "none"):
             healthy.add(result["scenario"])
         out[result["scenario"]] = sc.as_dict()
         live = result["score"]
@@ -109,6 +113,7 @@ def main(argv=None) -> int:
     print(json.dumps({"overrides": overrides, "summary": summary}, default=float))
     if args.json:
         Path(args.json).write_text(json.dumps({"note": "diagnoses are not replayed: kb_* fields say nothing",
+                                               "settings_note": SETTINGS_NOTE,
                                                "overrides": overrides, "scenarios": out, "summary": summary},
                                               indent=1, default=float) + "\n")
     return 0

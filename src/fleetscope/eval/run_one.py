@@ -34,14 +34,17 @@ def main(argv=None) -> int:
                       warmup_windows=o.get("warmup_windows"), keep_data=o.get("keep_data", False),
                       work_dir=Path(o["work_dir"]) if o.get("work_dir") else None,
                       base_config=config_mod.load(o.get("config")), extra=o.get("extra", {}),
+                      seed=o.get("seed", 0), start_offset_s=o.get("start_offset_s", 0.0),
+                      busy_loops=o.get("busy_loops", 0), repeat=o.get("repeat", 0),
                       progress=lambda line: print(line, flush=True))
     try:
         result = run_scenario(load_scenario(path), opts)
     except KeyboardInterrupt:
         print("interrupted: fault undone, workload and stack stopped", flush=True)
         return 130
-    out = opts.out_dir / f"{result['scenario']}.json"
+    out = opts.out_dir / f"{result.get('result', result['scenario'])}.json"
     if "skipped" in result:
+        out = opts.out_dir / (f"{result['scenario']}-r{opts.repeat}.json" if opts.repeat else out.name)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"RESULT {out}", flush=True)

@@ -16,8 +16,9 @@ def unavailable() -> str | None:
     return None
 
 
-def launch(ranks: int, env: dict, data_dir, workload_args: dict, run_id: str):
+def launch(ranks: int, env: dict, data_dir, workload_args: dict, run_id: str, rank_args: dict | None = None):
     """Start the stand-in's ranks through its own launch() (they get TORCHELASTIC_RUN_ID = run_id,
     the job the runner waits for); same interface as launch.Launch."""
     from fleetscope.eval.workloads import gpu_standin
-    return gpu_standin.launch(ranks, env=env, log_path=data_dir / "workload.log", run_id=run_id, **workload_args)
+    return gpu_standin.launch(ranks, env=env, log_path=data_dir / "workload.log", run_id=run_id,
+                              rank_args=rank_args, **workload_args)

@@ -21,7 +21,18 @@ step (one stat call) and applies what the file asks for while it exists:
     {"dataloader_stall": {"ms_per_batch": 80, "read_mb_per_batch": 8}}
                                                   fetching a batch reads its data from storage,
                                                   uncached, and blocks like slow storage
+    {"hang": {"poll_ms": 50}}                     the rank stops calling collectives (its peers wait
+                                                  in the all-reduce) until the entry is removed
 Without the variable, no knob exists and nothing is checked.
+
+Phases, as a real job has them: `--eval-every N --eval-steps K` runs a forward-only pass over K
+batches every N steps (no collectives); `--ckpt-every M --ckpt-mb S` writes S MB of state to a file
+in the control dir (or a temp dir) and fsyncs it every M steps.
+Per-rank arguments: `--rank-args '{"1": {"batch": 128}}'` gives one rank its own batch, sleep or
+threads, so a rank can differ from its peers by design.
+Progress: with FLEETSCOPE_WORKLOAD_PROGRESS_DIR set, every rank appends
+{"t": unix time, "steps": N, "pid": P} to `<dir>/progress-rank<RANK>.jsonl` about every 0.25 s
+while it steps, so the harness can measure each rank's step rate in each window.
 """
 from __future__ import annotations
 
@@ -39,6 +50,9 @@ from torch.utils.data import DataLoader, Dataset
 
 CONTROL_ENV = "FLEETSCOPE_WORKLOAD_CONTROL_DIR"
 RESULT_ENV = "FLEETSCOPE_WORKLOAD_RESULT_DIR"
+PROGRESS_ENV = "FLEETSCOPE_WORKLOAD_PROGRESS_DIR"
+PROGRESS_EVERY_S = 0.25
+RANK_ARGS = {"batch": int, "sleep_ms": float, "threads": int}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,10 +68,79 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress-s", type=float, default=0.0,
                    help="rank 0 prints its step count and CLOCK_MONOTONIC every this many seconds (0: never)")
+    p.add_argument("--eval-every", type=int, default=0, help="an evaluation pass every this many steps (0: none)")
+    p.add_argument("--eval-steps", type=int, default=10, help="batches per evaluation pass")
+    p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint write every this many steps (0: none)")
+    p.add_argument("--ckpt-mb", type=float, default=16.0, help="size of each checkpoint write")
+    p.add_argument("--rank-args", default="{}",
+                   help='per-rank overrides as JSON, e.g. \'{"1": {"batch": 128, "sleep_ms": 30}}\'')
     args = p.parse_args(argv)
     if args.steps <= 0 and args.duration_s <= 0:
         p.error("give --steps > 0 or --duration-s > 0")
+    try:
+        rank_args = json.loads(args.rank_args)
+        if not isinstance(rank_args, dict):
+            raise ValueError("not a mapping")
+        for r, over in rank_args.items():
+            int(r)
+            bad = set(over) - set(RANK_ARGS)
+            if bad:
+                raise ValueError(f"rank {r}: unknown {sorted(bad)}; known {sorted(RANK_ARGS)}")
+    except (ValueError, TypeError, AttributeError) as e:
+        p.error(f"--rank-args: {e}")
+    args.rank_args = {int(r): over for r, over in rank_args.items()}
     return args
+
+
+def apply_rank_args(args: argparse.Namespace, rank: int) -> None:
+    """This rank's own batch, sleep or threads (from --rank-args) replace the common ones."""
+    for k, v in args.rank_args.get(rank, {}).items():
+        setattr(args, k, RANK_ARGS[k](v))
+
+
+class Progress:
+    """Appends {"t", "steps", "pid"} lines to this rank's progress file, at most every 0.25 s."""
+
+    def __init__(self, rank: int):
+        base = os.environ.get(PROGRESS_ENV)
+        self.f = open(os.path.join(base, f"progress-rank{rank}.jsonl"), "a") if base else None
+        self.next_t = 0.0
+
+    def step(self, steps: int) -> None:
+        if self.f is None:
+            return
+        now = time.time()
+        if now >= self.next_t:
+            self.f.write(json.dumps({"t": now, "steps": steps, "pid": os.getpid()}) + "\n")
+            self.f.flush()
+            self.next_t = now + PROGRESS_EVERY_S
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+def evaluation_pass(model: nn.Module, loader, batches: int) -> None:
+    """Forward only, no gradients, no collectives: the other phase a training job runs."""
+    with torch.no_grad():
+        for _ in range(batches):
+            x, _y = next(loader)
+            model(x)
+
+
+def write_checkpoint(model: nn.Module, directory: str, mb: float, rank: int) -> None:
+    """Write `mb` MB (the parameters, repeated) to a file and fsync it, as torch.save would."""
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
+    want = int(mb * (1 << 20))
+    path = os.path.join(directory, f"ckpt-rank{rank}.bin")
+    with open(path, "wb") as f:
+        written = 0
+        while written < want:
+            chunk = params[: want - written]
+            f.write(chunk)
+            written += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class Control:
@@ -164,6 +247,12 @@ class SlowStorage:
             os.unlink(self.path)
 
 
+def hang_while_set(control: "Control") -> None:
+    """The hang knob: no collective is called while it is set; the control file is still polled."""
+    while "hang" in (knobs := control.poll()):
+        time.sleep(float(knobs["hang"].get("poll_ms", 50)) / 1000.0)
+
+
 def apply_knobs(knobs: dict, storage: SlowStorage | None = None) -> None:
     if "gc_storm" in knobs:
         gc_storm(int(knobs["gc_storm"].get("cycles_per_step", 20000)))
@@ -193,10 +282,13 @@ def main(argv=None) -> int:
         print(f"ddp_train: missing {', '.join(missing)} in the environment; start it with torchrun "
               "or benchmarks/workloads/launch.py", file=sys.stderr)
         return 2
+    apply_rank_args(args, int(os.environ["RANK"]))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    progress = Progress(rank)
+    scratch = os.environ.get(CONTROL_ENV) or os.environ.get("TMPDIR", "/tmp")
     control = Control(rank)
     storage = SlowStorage(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
     data = SyntheticData(args.features, rank, world)
@@ -213,6 +305,9 @@ def main(argv=None) -> int:
     progress_at = t0 + args.progress_s if args.progress_s > 0 and rank == 0 else float("inf")
     while (steps < args.steps) if args.steps > 0 else not all_ranks_past(deadline):
         knobs = control.poll()
+        if "hang" in knobs:
+            hang_while_set(control)
+            knobs = control.poll()
         apply_knobs(knobs, storage)  # the input pipeline and the interpreter, before the batch is used
         x, y = next(loader)
         opt.zero_grad(set_to_none=True)
@@ -220,6 +315,11 @@ def main(argv=None) -> int:
         loss.backward()  # DDP all-reduces gradients here over gloo
         opt.step()
         steps += 1
+        progress.step(steps)
+        if args.eval_every and steps % args.eval_every == 0:
+            evaluation_pass(model, loader, args.eval_steps)
+        if args.ckpt_every and steps % args.ckpt_every == 0:
+            write_checkpoint(model, scratch, args.ckpt_mb, rank)
         if (now := time.monotonic()) >= progress_at:
             print(json.dumps({"progress_steps": steps, "t_monotonic": now}), flush=True)
             progress_at = now + args.progress_s
@@ -236,6 +336,7 @@ def main(argv=None) -> int:
         with open(os.path.join(os.environ[RESULT_ENV], f"rank{rank}.json"), "w") as f:
             f.write(result)
     dist.destroy_process_group()
+    progress.close()
     if storage is not None:
         storage.close()
     return 0

@@ -115,7 +115,8 @@ def plan_step(cfg: StandinConfig, world: int, knobs: dict | None = None) -> list
     calls.append(Call("ncclAllReduce",
                       _ring_allreduce_us(cfg, world, link_gbps, 1000.0 * link.get("delay_ms", 0.0)) + slow_us,
                       {"bytes": int(cfg.grad_mb * 1e6), "op": "sum", "dtype": "float32", "extra_us": slow_us}))
-    gpu_us = cfg.kernels * cfg.kernel_us
+    # gpu_throttle: the clocks drop, so each kernel takes (1 + kernel_slowdown) times as long
+    gpu_us = cfg.kernels * cfg.kernel_us * (1.0 + knobs.get("gpu_throttle", {}).get("kernel_slowdown", 0.0))
     calls.append(Call("cudaStreamSynchronize", max(0.0, gpu_us - cfg.kernels * cfg.kernel_launch_us)))
     calls.append(Call("sleep", cfg.step_sleep_ms * 1000.0))
     return calls
@@ -336,12 +337,14 @@ def _readline(p: subprocess.Popen, timeout_s: float) -> str:
 
 def launch(ranks: int, *, env: dict | None = None, log_path: Path | None = None, cfg: StandinConfig | None = None,
            steps: int = 0, duration_s: float = 86400.0, relay_rank: int | None = 1, bindir: Path | None = None,
-           wait_for_go: bool = False, run_id: str | None = None, **overrides) -> StandinLaunch:
+           wait_for_go: bool = False, run_id: str | None = None, rank_args: dict | None = None,
+           **overrides) -> StandinLaunch:
     """Build the stand-ins (unless `bindir` holds them) and start `ranks` rank processes.
 
     `overrides` are StandinConfig fields (e.g. grad_mb=1). The knob files are read from
     env's (or the process's) FLEETSCOPE_WORKLOAD_CONTROL_DIR. relay_rank: put a pass-through
-    DelayRelay in front of that rank (None: no relay; ignored with one rank)."""
+    DelayRelay in front of that rank (None: no relay; ignored with one rank). rank_args: rank ->
+    {"step_sleep_ms": ms}, a rank whose host-side step differs by design."""
     if not 1 <= ranks <= 16:
         raise ValueError(f"ranks must be 1..16, got {ranks}")
     cfg = cfg or StandinConfig(**overrides)
@@ -380,7 +383,8 @@ def launch(ranks: int, *, env: dict | None = None, log_path: Path | None = None,
             if wait_for_go:
                 rank_env["GPU_STANDIN_GO_FILE"] = str(work / "go")
             args = [str(bindir / "gpu_standin_rank"), str(bindir), str(steps), str(duration_s), str(cfg.kernels),
-                    str(int(cfg.batch_mb * 1e6)), str(int(cfg.grad_mb * 1e6)), str(int(cfg.step_sleep_ms * 1000)),
+                    str(int(cfg.batch_mb * 1e6)), str(int(cfg.grad_mb * 1e6)),
+                    str(int((rank_args or {}).get(r, {}).get("step_sleep_ms", cfg.step_sleep_ms) * 1000)),
                     str(ports[r]), f"{host}:{port}"]
             procs.append(subprocess.Popen(args, env=rank_env, stdout=subprocess.PIPE, stderr=log, text=True,
                                           start_new_session=True))

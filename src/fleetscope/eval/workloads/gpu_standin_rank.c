@@ -30,7 +30,9 @@
  * waits for that file before the set-up calls (ncclCommInitRank, two cudaMalloc) and the
  * first step, so a tracer attached in between sees the whole job. SIGTERM/SIGINT end the run after the
  * current step. At the end prints one JSON line (also written to
- * $FLEETSCOPE_WORKLOAD_RESULT_DIR/rank<RANK>.json when set). */
+ * $FLEETSCOPE_WORKLOAD_RESULT_DIR/rank<RANK>.json when set). With
+ * $FLEETSCOPE_WORKLOAD_PROGRESS_DIR set, appends {"t": unix time, "steps": N, "pid": P} to
+ * <dir>/progress-rank<RANK>.jsonl about every 0.25 s while it steps (the harness's step rate). */
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <errno.h>
@@ -237,6 +239,14 @@ int main(int argc, char **argv) {
     if (ncclCommInitRank(&comm, ring.world, id, ring.rank)) { fprintf(stderr, "gpu_standin_rank: ncclCommInitRank failed\n"); return 4; }
     if (cudaMalloc(&d_in, batch_bytes) || cudaMalloc(&d_grad, grad_bytes)) { fprintf(stderr, "gpu_standin_rank: cudaMalloc failed\n"); return 4; }
 
+    FILE *progress = NULL;
+    const char *progress_dir = getenv("FLEETSCOPE_WORKLOAD_PROGRESS_DIR");
+    if (progress_dir) {
+        char ppath[4096];
+        snprintf(ppath, sizeof ppath, "%s/progress-rank%d.jsonl", progress_dir, ring.rank);
+        progress = fopen(ppath, "a");  /* no progress file: the run goes on without it */
+    }
+    long next_progress = 0;
     long start = now_ns(), end = start + (long)(duration_s * 1e9), memcpy_ns = 0, allreduce_ns = 0, leaked = 0;
     int errors = 0;
     long step;
@@ -264,8 +274,17 @@ int main(int argc, char **argv) {
         errors += rc != 0;
         allreduce_ns += now_ns() - t0;
         errors += cudaStreamSynchronize(S) != 0;
+        if (progress && now_ns() >= next_progress) {
+            struct timespec wall;
+            clock_gettime(CLOCK_REALTIME, &wall);
+            fprintf(progress, "{\"t\": %.6f, \"steps\": %ld, \"pid\": %d}\n",
+                    wall.tv_sec + wall.tv_nsec / 1e9, step + 1, (int)getpid());
+            fflush(progress);
+            next_progress = now_ns() + 250000000L;
+        }
         if (step_sleep_us > 0) usleep(step_sleep_us);
     }
+    if (progress) fclose(progress);
     double elapsed = (now_ns() - start) / 1e9;
     char line[1024];
     snprintf(line, sizeof line,
