@@ -303,3 +303,49 @@ def test_pyarrow_tables_are_accepted(store):
     # without the store's session_timezone setting when run with TZ=America/New_York).
     since = str(now - np.timedelta64(1, "s")).replace("T", " ")
     assert store.query("SELECT count() FROM features WHERE window_start >= {s:DateTime64(9)}", {"s": since}).rows == [(1,)]
+
+
+# ---- the store's modules import one another in one direction (issue 12) -------------
+
+def _store_imports() -> dict[str, set[str]]:
+    """store module -> store modules it imports, counting imports inside functions."""
+    import ast
+    import fleetscope.store as pkg
+    folder = Path(pkg.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        deps = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[:2] == ["fleetscope", "store"]:
+                    deps |= {parts[2]} if len(parts) > 2 else {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[2] for a in node.names if a.name.startswith("fleetscope.store.")}
+        graph[name] = deps & modules - {name}
+    return graph
+
+
+def test_store_modules_have_no_import_circle_even_through_late_imports():
+    graph = _store_imports()
+    graph.pop("__init__", None)  # the package's front door imports its modules; none imports it back
+    for deps in graph.values():
+        deps.discard("__init__")
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for dep in sorted(graph[node]):
+            assert state.get(dep) != "open", f"import circle: {' -> '.join(path[path.index(dep):] + [dep])}"
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert "migrations" not in graph["base"] and "base" in graph["migrations"]

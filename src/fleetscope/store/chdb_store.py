@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fleetscope.store.base import (ColumnData, Prepared, QueryResult, SqlStore, StoreBusyError, StoreError,
-                                   check_identifier, json_default)
+from fleetscope.store.base import (ColumnData, Prepared, QueryResult, StoreBusyError, StoreError, check_identifier,
+                                   json_default)
+from fleetscope.store.sql_store import SqlStore
 from fleetscope.wire import StrColumn
 
 BUSY_MESSAGE = ("the chDB data directory {path} is held by another fleetscope process "

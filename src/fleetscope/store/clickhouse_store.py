@@ -24,8 +24,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import numpy as np
 
-from fleetscope.store.base import (ColumnData, Prepared, QueryResult, SqlStore, StoreError,
-                                   datetime_precision)
+from fleetscope.store.base import ColumnData, Prepared, QueryResult, StoreError, datetime_precision
+from fleetscope.store.sql_store import SqlStore
 from fleetscope.wire import StrColumn
 
 ENV_USER = "FLEETSCOPE_CLICKHOUSE_USER"

@@ -10,15 +10,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fleetscope.store.base import StoreError, check_identifier
 from fleetscope.resources import package_dir
-
-if TYPE_CHECKING:
-    from fleetscope.store.base import Store
+from fleetscope.store.base import Store, StoreError, check_identifier
 
 # The repository's sql/ directory (fleetscope/store/migrations.py -> repo root).
 SQL_DIR = package_dir("fleetscope.sql")
@@ -104,7 +100,7 @@ def load(database: str, ttl_days: int, sql_dir: Path = SQL_DIR) -> list[Migratio
     return migrations
 
 
-def apply(store: "Store", database: str, ttl_days: int, sql_dir: Path = SQL_DIR) -> list[str]:
+def apply(store: Store, database: str, ttl_days: int, sql_dir: Path = SQL_DIR) -> list[str]:
     """Apply pending migrations through `store.query`; return the names applied.
 
     Every statement is `IF NOT EXISTS`, so a migration interrupted before it
