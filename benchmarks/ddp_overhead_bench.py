@@ -48,8 +48,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from benchmarks.pipeline_bench import CLK_TCK, ProcProbe, code_state, machine_busy  # noqa: E402
+from pipeline_bench import CLK_TCK, ProcProbe, code_state, machine_busy  # noqa: E402
 from fleetscope.eval.workloads.launch import DEBIAN_PYTHON, launch, venv_site_packages  # noqa: E402
 from fleetscope.broker import EmbeddedBroker, die_with_parent  # noqa: E402
 from fleetscope.config import Config  # noqa: E402

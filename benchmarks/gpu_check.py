@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleetscope.producers.nvml.sampler import NvmlSampler  # noqa: E402
 

@@ -236,8 +236,8 @@ def setup_bcc(dry_run: bool) -> dict:
                 tf.extractall(BCC_ROOT, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(BCC_ROOT)
             out["actions"].append(f"unpacked {BUNDLE.name} to {BCC_ROOT}")
         out["preloaded"] = _preload(BCC_ROOT / "lib")
-        sys.path.insert(0, str(BCC_ROOT / "python"))
-        import bcc  # noqa: F401
+        from tree_import import import_from
+        import_from(BCC_ROOT / "python", "bcc")
         out["bcc"] = "bundle"
     kver = platform.release()
     mod = Path(f"/lib/modules/{kver}")
@@ -389,7 +389,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.job:
         return job_main(a.cpu)
-    sys.path.insert(0, str(REPO))
+    try:
+        import fleetscope.producers  # noqa: F401
+    except ImportError:
+        raise SystemExit("fleetscope is not installed here: `pip install --no-deps .` (or the README's installer) "
+                         "first, then rerun") from None
     cpu = a.dry_run
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ import os
 for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
+import importlib
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -44,12 +45,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-if __name__ == "__main__" and sys.argv[1:2] == ["--facade"]:
-    sys.path.insert(0, sys.argv[2])      # the child: import streams from the tree given
+if __name__ == "__main__" and sys.argv[1:2] == ["--facade"] and Path(sys.argv[2]).resolve() != ROOT:
+    # the child on a baseline tree: its top-level `streams` package arrives through PYTHONPATH
+    _model = importlib.import_module("streams.model")
+    JobModel, ModelConfig = _model.JobModel, _model.ModelConfig
 else:
-    sys.path.insert(0, str(ROOT))
-
-from fleetscope.streams.model import JobModel, ModelConfig  # noqa: E402
+    from fleetscope.streams.model import JobModel, ModelConfig  # noqa: E402
 from fleetscope.streams.model.gmm import GaussianMixture, GMMConfig  # noqa: E402
 
 D, K, GOAL = 64, 8, 50_000
@@ -147,7 +148,8 @@ def facade(ranks: int = 100, n_windows: int = 1000, passes: int = FACADE_PASSES)
 
 
 def facade_in(tree: Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--facade", str(tree)], check=True,
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree.resolve() != ROOT else None
+    out = subprocess.run([sys.executable, __file__, "--facade", str(tree)], check=True, env=env,
                          capture_output=True, text=True).stdout
     return json.loads(out)
 

@@ -54,7 +54,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from fleetscope import config as config_mod  # noqa: E402
 from fleetscope.broker import EmbeddedBroker, die_with_parent  # noqa: E402
 from fleetscope.schema import NODE_TENANT, SOURCE_COLUMNS, node_identity, validate  # noqa: E402

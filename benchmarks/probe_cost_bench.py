@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from fleetscope.eval.gpu_stub.build import Workload, build  # noqa: E402
 from fleetscope.producers.tracers.cuda import CudaTracer  # noqa: E402

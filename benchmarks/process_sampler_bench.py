@@ -25,9 +25,8 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from benchmarks.sampler_cost_bench import INTERVAL_S, Meter, interleaved  # noqa: E402
+from sampler_cost_bench import INTERVAL_S, Meter, interleaved  # noqa: E402
 from fleetscope.producers.identity import IdentityResolver  # noqa: E402
 from fleetscope.producers.process_sampler import ProcessSampler, read_file  # noqa: E402
 from fleetscope.producers.tracers.discovery import TargetSpec, all_pids  # noqa: E402

@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
+from fleetscope.resources import package_dir  # noqa: E402
+from tree_import import import_from  # noqa: E402
 from fleetscope import wire  # noqa: E402
 from fleetscope.producers.host.collector import build_collectors  # noqa: E402
 from fleetscope.producers.host.sampler import HostSampler  # noqa: E402
@@ -43,7 +44,7 @@ ORIGINAL = "bf396b0"  # the last commit before any cost work on these samplers
 
 def stub_library(workdir: Path) -> tuple[str, Path]:
     lib = workdir / "libnvidia-ml.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(ROOT / "tests/nvml_stub/fake_nvml.c")],
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(package_dir("fleetscope.eval.gpu_stub") / "fake_nvml.c")],
                    check=True)
     import pynvml
 
@@ -94,9 +95,9 @@ def load_previous(workdir: Path, commit: str, prefix: str) -> dict | None:
     (workdir / f"{prefix}_wire.py").write_text(subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{commit}:fleetscope/wire.py"], check=True, capture_output=True,
         text=True).stdout)
-    if str(workdir) not in sys.path:
-        sys.path.insert(0, str(workdir))
-    old_wire = importlib.import_module(f"{prefix}_wire")
+    old_wire = import_from(workdir, f"{prefix}_wire")
+    for sub in ("host", "nvml"):
+        import_from(workdir, f"{prefix}_{sub}")
     # The old samplers build today's Batch and StrColumn (they import fleetscope.wire): the old
     # encode must recognize those classes.
     old_wire.Batch, old_wire.StrColumn = wire.Batch, wire.StrColumn

@@ -63,7 +63,6 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from fleetscope.config import Config  # noqa: E402
 from fleetscope.schema import SOURCE_COLUMNS, node_identity  # noqa: E402
 from fleetscope.store import open_store  # noqa: E402

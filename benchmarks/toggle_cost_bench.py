@@ -55,8 +55,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from fleetscope.resources import package_dir  # noqa: E402
 from fleetscope.producers.tracers.torch_ops import TorchTracer  # noqa: E402
 from fleetscope.producers.tracers.uprobes import attach_uprobe_fd, close_all, symbol_offset  # noqa: E402
 
@@ -76,7 +75,7 @@ class Loop:
 
     def __init__(self, go: str):
         env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
-        self.proc = subprocess.Popen(["/usr/bin/python3", str(ROOT / "tests/workloads/torch_train.py"), go, "0"],
+        self.proc = subprocess.Popen(["/usr/bin/python3", str(package_dir("fleetscope.eval.workloads") / "torch_train.py"), go, "0"],
                                      env=env, stdout=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
         self.phase = "warmup"
@@ -112,7 +111,7 @@ class SingleProbes:
         self.lib, self.offsets, _ = tracer.pids[pid]
         self.probes = 2 * len(self.offsets)
         # its own copy of the programs: a program loaded for uprobe_multi links cannot go on a perf event
-        self.bpf = BPF(src_file=str(ROOT / "bpf/torch.bpf.c").encode(), cflags=[f"-I{ROOT / 'bpf'}", "-Wno-everything"])
+        self.bpf = BPF(src_file=str(package_dir("fleetscope.bpf") / "torch.bpf.c").encode(), cflags=[f"-I{package_dir('fleetscope.bpf')}", "-Wno-everything"])
         self.prog = {ret: self.bpf.load_func(fn, BPF.KPROBE).fd for ret, fn in ((False, b"op_entry"), (True, b"op_return"))}
 
     def hits(self) -> int:

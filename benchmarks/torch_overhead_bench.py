@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from fleetscope.config import Config  # noqa: E402
 from fleetscope.producers.tracers.calibrate import calibrate_hit_cost_ns  # noqa: E402
 from fleetscope.producers.tracers.manager import TracerManager  # noqa: E402

@@ -7,7 +7,8 @@ as StreamProcessor does between its inserts. Times are CPU seconds of this
 process (time.process_time), so other work on a shared machine inflates them
 little; the steady state leaves out the first windows.
 
-`--code DIR` runs another checkout's streams/ and fleetscope/ (e.g. a
+`--code DIR` runs another checkout's streams/ and fleetscope/ (put on PYTHONPATH by --compare; it must be
+importable as `fleetscope.streams`, so checkouts from before the one-namespace layout are not comparable) (e.g. a
 `git archive` of an older commit) through the same feed. `--compare DIR
 --pairs N` alternates N runs of DIR and of this checkout in subprocesses and
 writes both, with before/after ratios of the medians, to --out.
@@ -41,15 +42,14 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.compare:
         return compare(args)
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, args.code)  # imported first, so these modules are the ones cached
+    # another checkout's code arrives through PYTHONPATH, set by compare() for its child
     import numpy as np
 
     from fleetscope.schema import validate
     from fleetscope.wire import decode, encode
     from fleetscope.streams.features import window_features
     from fleetscope.streams.windows import WindowAssembler
-    from benchmarks.scoring_bench import SEC, TICK, Fleet
+    from scoring_bench import SEC, TICK, Fleet
 
     fleet = Fleet(args.ranks, 8, straggler=7, onset_window=10**9)
     t0 = 1_800_000_000 * SEC
@@ -114,7 +114,9 @@ def compare(args) -> dict:
         for label, code in (("before", args.compare), ("after", str(ROOT))):
             cmd = [sys.executable, __file__, "--code", code, "--ranks", str(args.ranks),
                    "--windows", str(args.windows), "--skip", str(args.skip)]
-            runs[label].append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
+            env = {**os.environ, "PYTHONPATH": code} if code != str(ROOT) else None
+            runs[label].append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                                         env=env).stdout))
     med = {label: {k: round(float(np.median([r["cpu_s_median"][k] for r in rs])), 4) for k in STAGES}
            for label, rs in runs.items()}
     out = {"what": "CPU s per 1 s window step at 1,000 ranks (750 messages, 1,125 windows): decode+validate, "

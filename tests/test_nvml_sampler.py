@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
+from fleetscope.resources import package_dir
 from fleetscope import schema, wire
 from fleetscope.producers.nvml.calls import DeviceCalls
 from fleetscope.producers.nvml.device_metrics import THROTTLE_FLAGS
@@ -27,7 +28,7 @@ from fleetscope.producers.nvml.gpm import GPM_METRICS
 from fleetscope.producers.nvml.sampler import NvmlSampler
 from fleetscope.producers.nvml.xid_watcher import XidWatcher
 
-STUB_SRC = Path(__file__).parent / "nvml_stub" / "fake_nvml.c"
+STUB_SRC = package_dir("fleetscope.eval.gpu_stub") / "fake_nvml.c"
 HOST = "node-a"
 SEC = 1_000_000_000
 MIB = 1 << 20

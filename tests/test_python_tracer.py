@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from fleetscope.resources import package_dir
 from support.batch_rows import rows, stop_all, values, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
 DEBIAN_PYTHON = "/usr/bin/python3"
-WORKLOAD = Path(__file__).parent / "workloads" / "py_calls.py"
+WORKLOAD = package_dir("fleetscope.eval.workloads") / "py_calls.py"
 LEAF, MIDDLE, GC = 2000, 1000, 5  # as in the workload
 
 

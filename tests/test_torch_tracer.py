@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from fleetscope.resources import package_dir
 from support.batch_rows import rows, stop_all, values, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
-WORKLOAD = Path(__file__).parent / "workloads" / "torch_train.py"
+WORKLOAD = package_dir("fleetscope.eval.workloads") / "torch_train.py"
 STEPS = 40
 # Per step, from the workload's Python code (see its docstring).
 PER_STEP = {"linear": 2, "relu": 1, "matmul": 1, "mse_loss": 1, "backward": 1, "add_": 5}
