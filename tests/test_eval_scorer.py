@@ -1,108 +1,162 @@
-"""Scorer on hand-made ground truth: exact precision, recall, F1, delay, FPR and KB match."""
+"""Scorer on hand-made ground truth: exact precision, recall, F1, delay, FPR, KB match, job-level
+incidents, roles and multi-fault truth. The flags are hand-made on purpose: the scorer's
+arithmetic is what is under test, not the detector."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 
 from fleetscope.eval.plot import PlotUnavailable, plot_scores
-from fleetscope.eval.scorer import Diagnosis, Truth, WindowResult, label, score_run, summarize, window_index
+from fleetscope.eval.scorer import (Diagnosis, FaultTruth, Score, Truth, WindowResult, label, score_run, summarize,
+                                    window_index)
 
 # 2 ranks, 10 windows of 2 s; the fault hits rank 1 from 7 s to 13 s:
 # windows 3 [6,8), 4, 5 [10,12), 6 [12,14) overlap it -> 4 positives on rank 1.
-FAULT = Truth(ranks=(0, 1), duration_s=20, window_s=2, fault_start_s=7, fault_end_s=13,
-              faulty_ranks=frozenset({1}), kb_entry="straggler_rank")
+STRAGGLER = FaultTruth(intervals=((7, 13),), culprits=frozenset({1}), kb_entry="straggler_rank")
+FAULT = Truth(ranks=(0, 1), duration_s=20, window_s=2, faults=(STRAGGLER,))
 HEALTHY = Truth(ranks=(0, 1), duration_s=20, window_s=2)
 
 
-def flags(truth: Truth, flagged: set[tuple[int, int]]) -> list[WindowResult]:
-    return [WindowResult(r, k, (r, k) in flagged, score=float((r, k) in flagged), threshold=0.5)
+def flags(truth: Truth, flagged: set[tuple[int, int]], roles: dict | None = None) -> list[WindowResult]:
+    return [WindowResult(r, k, (r, k) in flagged, score=float((r, k) in flagged), threshold=0.5,
+                         role=(roles or {}).get((r, k)))
             for r in truth.ranks for k in range(truth.n_windows)]
 
 
 def test_labels_of_the_grid():
     assert [label(FAULT, 1, k) for k in range(10)] == ["negative"] * 3 + ["positive"] * 4 + ["negative"] * 3
-    assert all(label(FAULT, 0, k) == "negative" for k in range(10))
+    assert all(label(FAULT, 0, k) == "negative" for k in range(10))  # strict: a peer is never excused
     # 1.5 s onset grace: window 3 [6,8) overlaps only [7, 8.5) -> ignored; window 4 [8,10) overlaps [8.5,13)
     assert [label(FAULT, 1, k, onset_grace_s=1.5) for k in (3, 4)] == ["ignored", "positive"]
     assert label(FAULT, 1, 7, recovery_grace_s=2) == "ignored"  # [14,16) within [13,15)
-    assert label(FAULT, 0, 5, ignore_peers_during_fault=True) == "ignored"
+    assert label(FAULT, 0, 5, lenient=True) == "ignored"
     assert window_index(7.0, 2) == 3 and window_index(6.0, 2) == 3 and window_index(5.999, 2) == 2
 
 
 def test_perfect_detection():
-    s = score_run(FAULT, flags(FAULT, {(1, 3), (1, 4), (1, 5), (1, 6)}))
-    assert (s.tp, s.fp, s.fn, s.tn, s.ignored, s.missing_windows) == (4, 0, 0, 16, 0, 0)
-    assert s.precision == 1.0 and s.recall == 1.0 and s.f1 == 1.0 and s.false_positive_rate == 0.0
-    assert s.detection_delay_windows == 0 and s.detection_delay_s == 1.0  # window 3 ends at 8 s
+    s = score_run(FAULT, flags(FAULT, {(1, 3), (1, 4), (1, 5), (1, 6)}),
+                  [Diagnosis(1, k, "straggler_rank") for k in range(3, 7)])
+    assert (s.tp, s.fp, s.fn, s.tn) == (4, 0, 0, 16)
+    assert s.f1 == 1.0 and s.detection_delay_windows == 0 and s.detection_delay_s == 1.0  # window 3 ends at 8
+    assert s.kb_match is True and (s.job_tp, s.job_fn, s.job_fp, s.job_f1) == (1, 0, 0, 1.0)
 
 
-def test_late_partial_detection_with_a_false_positive_on_the_peer():
-    # rank 1 flagged in windows 5 and 6 (2 of 4), rank 0 flagged in window 5, rank 1 flagged once before the fault
-    s = score_run(FAULT, flags(FAULT, {(1, 5), (1, 6), (0, 5), (1, 1)}))
-    assert (s.tp, s.fp, s.fn, s.tn) == (2, 2, 2, 14)
-    assert s.precision == 0.5 and s.recall == 0.5 and s.f1 == 0.5
-    assert s.false_positive_rate == 2 / 16
-    assert s.detection_delay_windows == 2 and s.detection_delay_s == 5.0  # window 5 ends at 12 s; fault at 7 s
-    # the same run, peers ignored during the fault and 1 s of onset grace: positives are windows
-    # 4-6 (overlapping [8, 13)); rank 1's window 3 and rank 0's windows 3-6 are ignored
-    g = score_run(FAULT, flags(FAULT, {(1, 5), (1, 6), (0, 5), (1, 1)}), onset_grace_s=1.0,
-                  ignore_peers_during_fault=True)
-    assert (g.tp, g.fp, g.fn, g.tn, g.ignored) == (2, 1, 1, 11, 5)
-    assert g.precision == 2 / 3 and g.recall == 2 / 3 and g.f1 == pytest.approx(2 / 3)
+def test_a_waiting_peer_is_a_false_positive_unless_labelled_waiting():
+    run = {(1, 3), (1, 4), (1, 5), (1, 6), (0, 4), (0, 5)}
+    s = score_run(FAULT, flags(FAULT, run))
+    assert (s.tp, s.fp, s.precision) == (4, 2, 4 / 6)
+    s = score_run(FAULT, flags(FAULT, run, roles={(0, 4): "waiting", (0, 5): "waiting"}))
+    assert (s.tp, s.fp, s.precision, s.waiting_windows) == (4, 0, 1.0, 2)
+    # a culprit rank labelled waiting is not a culprit flag: a miss there
+    s = score_run(FAULT, flags(FAULT, run, roles={(1, 3): "waiting"}))
+    assert (s.tp, s.fn, s.fp) == (3, 1, 2)
+    # roles other than waiting still count as flags
+    s = score_run(FAULT, flags(FAULT, run, roles={(0, 4): "culprit", (0, 5): "node"}))
+    assert s.fp == 2
+
+
+def test_late_partial_detection_with_a_false_positive_and_a_false_incident():
+    s = score_run(FAULT, flags(FAULT, {(1, 5), (1, 6), (0, 5), (1, 1), (1, 8)}))
+    assert (s.tp, s.fp, s.fn, s.tn) == (2, 3, 2, 13)
+    assert s.precision == 0.4 and s.recall == 0.5 and s.detection_delay_windows == 2
+    assert s.detection_delay_s == 5.0  # window 5 ends at 12; the fault began at 7
+    # windows 1 and 8 are outside the fault: two separate false incidents; the fault was found
+    assert (s.job_tp, s.job_fp, s.job_fn) == (1, 2, 0)
+    assert s.false_positive_rate == 3 / 16
 
 
 def test_missed_fault_and_missing_windows():
-    results = [r for r in flags(FAULT, set()) if r.window != 9] + [WindowResult(5, 0, True), WindowResult(0, 99, True)]
-    s = score_run(FAULT, results)
-    assert (s.tp, s.fp, s.fn, s.tn) == (0, 0, 4, 16)
-    assert s.missing_windows == 2 and s.unknown_windows == 2  # window 9 of both ranks; rank 5, window 99
-    assert s.precision is None and s.recall == 0.0 and s.f1 is None
-    assert s.detection_delay_windows is None and s.detection_delay_s is None
+    s = score_run(FAULT, [WindowResult(0, k, False) for k in range(10)])
+    assert (s.tp, s.fn, s.missing_windows) == (0, 4, 10)
+    assert s.recall == 0.0 and s.precision is None and s.f1 is None and s.detection_delay_windows is None
+    assert (s.job_tp, s.job_fn, s.job_recall) == (0, 1, 0.0)
 
 
 def test_healthy_run_false_positive_rate():
-    s = score_run(HEALTHY, flags(HEALTHY, {(0, 2)}))
-    assert (s.tp, s.fp, s.fn, s.tn) == (0, 1, 0, 19)
-    assert s.false_positive_rate == 1 / 20 and s.precision == 0.0 and s.recall is None and s.f1 is None
-    assert s.detection_delay_windows is None and s.kb_match is None
+    s = score_run(HEALTHY, flags(HEALTHY, {(0, 2), (1, 2), (1, 3)}))
+    assert (s.fp, s.tn, s.false_positive_rate) == (3, 17, 0.15)
+    assert s.job_fp == 1  # windows 2 and 3 are one false incident
+    assert s.kb_match is None and s.detection_delay_windows is None
 
 
-def test_kb_entry_matched_by_the_most_frequent_top_diagnosis_on_the_faulty_rank():
-    diags = [
-        Diagnosis(1, 3, "cpu_contention_noisy_neighbour", 0.6), Diagnosis(1, 3, "straggler_rank", 0.9),
-        Diagnosis(1, 4, "straggler_rank", 0.8),
-        Diagnosis(1, 5, "python_gc_storm", 0.7),
-        Diagnosis(0, 5, "python_gc_storm", 0.99),  # a non-faulty rank: not a vote
-        Diagnosis(1, 8, "python_gc_storm", 0.99),  # after the fault: not a vote
-    ]
+def test_kb_entry_matched_by_the_most_frequent_top_diagnosis_on_the_culprit():
+    diags = [Diagnosis(1, 3, "cpu_contention_noisy_neighbour", 0.9), Diagnosis(1, 3, "straggler_rank", 0.5),
+             Diagnosis(1, 4, "straggler_rank", 0.8), Diagnosis(1, 5, "straggler_rank", 0.8),
+             Diagnosis(0, 5, "python_gc_storm", 1.0),   # not a culprit: not counted
+             Diagnosis(1, 8, "python_gc_storm", 1.0)]   # after the fault: not counted
     s = score_run(FAULT, flags(FAULT, {(1, 3)}), diags)
-    assert s.kb_votes == {"straggler_rank": 2, "python_gc_storm": 1}
     assert s.top_kb_entry == "straggler_rank" and s.kb_match is True
-    tie = score_run(FAULT, [], [Diagnosis(1, 4, "python_gc_storm"), Diagnosis(1, 5, "straggler_rank")])
-    assert tie.top_kb_entry == "python_gc_storm" and tie.kb_match is False  # ties: the earliest window wins
-    assert score_run(FAULT, []).kb_match is False and score_run(FAULT, []).top_kb_entry is None
+    assert s.kb_votes == {"cpu_contention_noisy_neighbour": 1, "straggler_rank": 2}
+    s = score_run(FAULT, flags(FAULT, set()), [Diagnosis(1, 4, "python_gc_storm")])
+    assert s.kb_match is False and (s.kb_faults, s.kb_hits) == (1, 0)
 
 
-def test_summary_over_scenarios():
-    a = score_run(FAULT, flags(FAULT, {(1, 3), (1, 4), (1, 5), (1, 6)}))  # delay 0
-    b = score_run(FAULT, flags(FAULT, {(1, 5), (1, 6), (0, 5), (1, 1)}))  # delay 2
-    c = score_run(FAULT, flags(FAULT, set()))  # missed
-    h = score_run(HEALTHY, flags(HEALTHY, {(0, 2)}))
-    out = summarize({"a": a, "b": b, "c": c, "healthy": h}, healthy={"healthy"})
-    assert out["precision"] == 6 / 8 and out["recall"] == 6 / 12
-    assert out["f1"] == pytest.approx(2 * 0.75 * 0.5 / 1.25)
-    assert out["median_delay_windows"] == 1 and out["undetected"] == ["c"]
-    assert out["healthy_flagged_frac"] == 1 / 20
+def test_periodic_bursts_are_separate_incidents_with_their_own_delays():
+    bursts = FaultTruth(intervals=((2, 6), (12, 16)), culprits=frozenset({1}))
+    t = Truth(ranks=(0, 1), duration_s=20, window_s=2, faults=(bursts,))
+    assert [label(t, 1, k) for k in range(10)] == (["negative"] + ["positive"] * 2 + ["negative"] * 3
+                                                   + ["positive"] * 2 + ["negative"] * 2)
+    s = score_run(t, flags(t, {(1, 1), (1, 7)}), recovery_grace_s=0.0)
+    assert s.faults[0].incidents == 2 and s.faults[0].found == 2
+    assert s.delays_windows == [0, 1] and s.delays_s == [2.0, 4.0]
+    s = score_run(t, flags(t, {(1, 1)}))
+    assert (s.job_tp, s.job_fn) == (1, 1)
+
+
+def test_two_overlapping_faults_each_scored_on_its_own_culprit():
+    a = FaultTruth(intervals=((2, 10),), culprits=frozenset({1}), kb_entry="straggler_rank", name="a")
+    b = FaultTruth(intervals=((6, 14),), culprits=frozenset({2}), kb_entry="python_gc_storm", name="b")
+    t = Truth(ranks=(0, 1, 2), duration_s=20, window_s=2, faults=(a, b))
+    assert [label(t, 2, k) for k in (2, 3, 6, 7)] == ["negative", "positive", "positive", "negative"]
+    s = score_run(t, flags(t, {(1, 1), (1, 2), (1, 3), (1, 4), (2, 4), (0, 4)}),
+                  [Diagnosis(1, 2, "straggler_rank"), Diagnosis(2, 4, "straggler_rank")])
+    fa, fb = s.faults
+    assert (fa.tp, fa.fn, fa.kb_match) == (4, 0, True)
+    assert (fb.tp, fb.fn, fb.kb_match) == (1, 3, False)
+    assert s.fp == 1 and s.kb_match is False and (s.kb_faults, s.kb_hits) == (2, 1)
+
+
+def test_job_and_node_scope_make_every_rank_a_culprit_and_unscored_faults_are_ignored():
+    job = FaultTruth(intervals=((4, 12),), culprits=frozenset({0, 1}), scope="job")
+    t = Truth(ranks=(0, 1), duration_s=20, window_s=2, faults=(job,))
+    assert label(t, 0, 3) == label(t, 1, 3) == "positive"
+    noop = replace(job, scored=False)
+    t = Truth(ranks=(0, 1), duration_s=20, window_s=2, faults=(noop,))
+    s = score_run(t, flags(t, {(0, 3), (1, 8)}))
+    assert label(t, 0, 3) == "ignored" and (s.tp, s.fn, s.fp) == (0, 0, 1)  # window 8 is a real negative
+    assert s.faults[0].scored is False and (s.job_tp, s.job_fn) == (0, 0)
+
+
+def test_persisting_effect_ignores_what_follows_on_the_culprit_only():
+    t = Truth(ranks=(0, 1), duration_s=20, window_s=2, faults=(replace(STRAGGLER, persists=True),))
+    assert [label(t, 1, k) for k in (2, 3, 6, 7, 9)] == ["negative", "positive", "positive", "ignored", "ignored"]
+    assert label(t, 0, 9) == "negative"
+
+
+def test_summary_over_scenarios_pools_windows_incidents_and_delays():
+    a = score_run(FAULT, flags(FAULT, {(1, 3), (1, 4), (1, 5), (1, 6)}), [Diagnosis(1, 4, "straggler_rank")])
+    b = score_run(FAULT, flags(FAULT, {(1, 5), (0, 5)}))
+    h = score_run(HEALTHY, flags(HEALTHY, {(0, 1)}))
+    out = summarize({"a": a, "b": b, "h": h}, healthy={"h"})
+    assert out["precision"] == 5 / 6 and out["recall"] == 5 / 8
+    assert out["median_delay_windows"] == 1.0 and out["p90_delay_s"] == 5.0
+    assert out["healthy_flagged_frac"] == 1 / 20 and out["kb_hit_rate"] == 0.5
+    assert out["job"]["found"] == 2 and out["job"]["false_incidents"] == 1
+    # a Score survives the trip through the result JSON
+    assert Score.from_dict(a.as_dict()) == a
 
 
 def test_truth_rejects_inconsistent_ground_truth():
-    with pytest.raises(ValueError, match="before"):
-        Truth(ranks=(0,), duration_s=10, window_s=1, fault_start_s=5, fault_end_s=5)
-    with pytest.raises(ValueError, match="not all in ranks"):
-        Truth(ranks=(0,), duration_s=10, window_s=1, fault_start_s=1, fault_end_s=2, faulty_ranks=frozenset({3}))
-    with pytest.raises(ValueError, match="neither"):
-        Truth(ranks=(0,), duration_s=10, window_s=1, fault_start_s=1)
+    with pytest.raises(ValueError, match="culprit ranks"):
+        Truth(ranks=(0, 1), duration_s=20, window_s=2, faults=(replace(STRAGGLER, culprits=frozenset({2})),))
+    with pytest.raises(ValueError, match="must be before"):
+        FaultTruth(intervals=((5, 5),), culprits=frozenset({0}))
+    with pytest.raises(ValueError, match="at least one culprit"):
+        FaultTruth(intervals=((1, 5),), culprits=frozenset())
+    with pytest.raises(ValueError, match="must be > 0"):
+        Truth(ranks=(0,), duration_s=20, window_s=0)
 
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
@@ -110,7 +164,8 @@ HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed; the plot is optional")
 def test_plot_writes_a_png(tmp_path):
-    out = plot_scores(FAULT, flags(FAULT, {(1, 4)}), tmp_path / "plots" / "run.png", title="straggler")
+    out = plot_scores(FAULT, flags(FAULT, {(1, 4)}, roles={(1, 4): "waiting"}), tmp_path / "plots" / "run.png",
+                      title="straggler", rates={0: [10.0] * 10, 1: [10.0, None] + [5.0] * 8})
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -124,55 +179,33 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path):
 SCENARIOS = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "scenarios"
 
 
-def test_shipped_scenarios_load_and_their_faults_can_be_built(tmp_path):
+def test_shipped_scenarios_load_split_and_their_faults_can_be_built(tmp_path):
     from fleetscope.eval.faults import make_fault
     from fleetscope.eval.relay import DelayRelay
     from fleetscope.eval.scenario import load_scenarios
-    scenarios = {s.name: s for s in load_scenarios([SCENARIOS])}
-    assert {"healthy", "straggler_cpu_quota", "straggler_competing_load", "slow_collective_one_rank",
-            "memcpy_stall", "gpu_memory_leak", "python_gc_storm", "dataloader_stall", "network_degradation",
-            "memory_pressure", "irq_storm"} <= set(scenarios)
+    dev = {s.name: s for s in load_scenarios([SCENARIOS / "dev"])}
+    test = {s.name: s for s in load_scenarios([SCENARIOS / "test"])}
+    assert len(dev) + len(test) >= 20 and not set(dev) & set(test)
+    scenarios = {**dev, **test}
+    kinds = {f.kind for s in scenarios.values() for f in s.faults}
+    assert {"hang", "crash", "irq_affinity", "thp_off", "gpu_throttle", "cpu_quota", "gc_storm"} <= kinds
+    assert any(len(s.faults) >= 2 for s in scenarios.values())
+    assert any(f.schedule.times > 1 for s in scenarios.values() for f in s.faults)
+    assert any(f.target == "outside" for s in scenarios.values() for f in s.faults)
+    assert any(f.target == "all" for s in scenarios.values() for f in s.faults)
+    assert any(s.events for s in scenarios.values()) and any(s.phases for s in scenarios.values())
+    assert any(s.rank_args for s in scenarios.values() if s.healthy)
     for s in scenarios.values():
-        f = s.fault
-        fault = make_fault(f.kind, pid=1, rank=f.rank, strength=f.strength, params=f.params, control_dir=tmp_path,
-                           relay=DelayRelay(("127.0.0.1", 1)))  # built, not started
-        assert fault.kind == f.kind, s.name
+        assert s.window_s == 1 and s.duration_s <= 150, s.name
+        for f in s.faults:
+            targets = [None] if f.target == "outside" or f.kind == "thp_off" else list(f.ranks)
+            for r in targets:
+                fault = make_fault(f.kind, pid=1, rank=r, strength=f.strength, params=f.params, control_dir=tmp_path,
+                                   relay=DelayRelay(("127.0.0.1", 1)), outside=f.target == "outside")  # not started
+                assert fault.kind == f.kind, s.name
     t = scenarios["straggler_cpu_quota"].truth()
-    assert (t.fault_start_s, t.fault_end_s, t.faulty_ranks, t.kb_entry, t.n_windows) == (30, 60, {1}, "straggler_rank", 45)
+    f = t.faults[0]
+    assert (f.intervals, f.culprits, f.kb_entry, t.n_windows) == (((30, 60),), {1}, "straggler_rank", 90)
     assert scenarios["healthy"].truth().healthy
-    assert t.ignore_peers and not t.effect_persists  # the defaults
-    assert scenarios["gpu_memory_leak"].truth().effect_persists
-
-
-def test_truth_can_ignore_peers_and_what_outlasts_the_fault():
-    from dataclasses import replace
-    t = replace(FAULT, ignore_peers=True, effect_persists=True)
-    assert [label(t, 0, k) for k in (2, 3, 6, 7)] == ["negative", "ignored", "ignored", "negative"]
-    assert [label(t, 1, k) for k in (2, 3, 6, 7, 9)] == ["negative", "positive", "positive", "ignored", "ignored"]
-    # the run of test_late_partial_detection: rank 0's flag in window 5 and no more after-fault negatives
-    s = score_run(t, flags(t, {(1, 5), (1, 6), (0, 5), (1, 1), (1, 8)}))
-    assert (s.tp, s.fp, s.fn, s.tn, s.ignored) == (2, 1, 2, 8, 7)
-
-
-@pytest.mark.parametrize("edit, message", [
-    (("fault", "rank", 5), "fault.rank: 5 is not a rank of this 3-rank job"),
-    (("fault", "kind", "netem"), "fault.kind: 'netem' is not one of"),
-    (("fault", "duration_s", 80), "fault.duration_s: 80 is not positive and ending by the run's duration_s"),
-    (("expect", "kb_entry", "gremlins"), "expect.kb_entry: 'gremlins' is not null or a KB entry"),
-    (("fault", "strength", "high"), "fault.strength: must be in (0, 1], got 'high'"),
-    ((None, "window", 2), "window: unknown field"),
-    ((None, "ranks", None), "ranks: must be"),
-    (("expect", "peers", "maybe"), "expect.peers: 'maybe' is not ignored (the default"),
-    (("expect", "persists", "yes"), "expect.persists: must be true or false"),
-])
-def test_scenario_errors_name_the_file_and_field(tmp_path, edit, message):
-    import yaml
-    from fleetscope.eval.scenario import ScenarioError, load_scenario
-    data = yaml.safe_load((SCENARIOS / "straggler_cpu_quota.yaml").read_text())
-    section, key, value = edit
-    (data[section] if section else data)[key] = value
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ScenarioError) as e:
-        load_scenario(bad)
-    assert str(e.value).startswith(f"{bad}: ") and message in str(e.value), str(e.value)
+    assert scenarios["gpu_memory_leak"].truth().faults[0].persists
+    assert scenarios["crash_one_rank"].truth().faults[0].persists  # a crash persists by default
