@@ -122,3 +122,24 @@ def store(tmp_path):
     s.migrate()
     yield s
     s.close()
+
+
+# Markers (pyproject.toml): `-m "not slow"` for a quick pass, `-m "not root"` where eBPF and cgroups are
+# unavailable. A test module that loads BPF programs or changes cgroups and /proc/irq needs root; a test that
+# uses the real broker or starts worker processes is an integration test.
+ROOT_MODULES = {"test_cuda_tracer", "test_nccl_tracer", "test_kernel_tracer", "test_python_tracer",
+                "test_torch_tracer", "test_tracing_pipeline", "test_ebpf_toolchain", "test_governor",
+                "test_return_probe_safety", "test_target_discovery", "test_eval_faults", "test_eval_runner",
+                "test_gpu_standin"}
+SLOW_MODULES = {"test_eval_runner", "test_wheel", "test_end_to_end"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in ROOT_MODULES:
+            item.add_marker(pytest.mark.root)
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if {"broker", "pipeline_cfg", "streams_worker"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
