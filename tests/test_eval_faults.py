@@ -214,3 +214,34 @@ def test_memory_pressure_runs_only_where_a_limit_reaches_the_rank():
     else:
         check_requirements(s)
     assert not [d for d in fault_dirs("memory", os.getpid()) if "charge-move-probe" in d.name]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/sys/kernel/mm/transparent_hugepage/enabled", os.W_OK),
+                    reason="needs root and a writable transparent_hugepage/enabled")
+def test_thp_off_turns_huge_pages_off_and_restores_the_old_mode():
+    from fleetscope.eval.faults import THP_ENABLED, ThpOff
+    before = THP_ENABLED.read_text()
+    if "[never]" in before:
+        pytest.skip("transparent huge pages are already off here")
+    with ThpOff() as f:
+        assert "[never]" in THP_ENABLED.read_text() and f.describe()["restores"]
+    assert THP_ENABLED.read_text() == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to write /proc/irq/*/smp_affinity")
+def test_irq_affinity_moves_irqs_onto_the_rank_cpu_and_restores_them(busy):
+    from fleetscope.eval.faults import FaultError, IrqAffinity
+    before = {d: Path(f"/proc/irq/{d}/smp_affinity").read_text() for d in os.listdir("/proc/irq") if d.isdigit()}
+    f = IrqAffinity(busy.pid, 0.3, cpu=0)
+    try:
+        f.start()
+    except FaultError as e:
+        pytest.skip(f"no IRQ accepts a new affinity on this machine: {e}")
+    try:
+        moved = f.describe()["irqs"]
+        assert moved and all(int(Path(f"/proc/irq/{i}/smp_affinity").read_text(), 16) == 1 for i in moved)
+        assert os.sched_getaffinity(busy.pid) == {0}
+    finally:
+        f.stop()
+    after = {d: Path(f"/proc/irq/{d}/smp_affinity").read_text() for d in before}
+    assert after == before and os.sched_getaffinity(busy.pid) == set(range(os.cpu_count()))
