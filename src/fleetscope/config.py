@@ -6,6 +6,7 @@ environment or a file, read by the store backend.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -48,7 +49,15 @@ class Config:
     host: str = field(default_factory=socket.gethostname)
     sample_interval_s: float = 1.0
     collectors: tuple[str, ...] | None = None  # None: every default-enabled collector
-    spool_max_batches: int = 10_000
+    spool_max_batches: int = 10_000  # batches held until Kafka acknowledges them (in flight and spooled together)
+    spool_max_bytes: int = 256 * 1024 * 1024  # and their bytes in memory; past either bound the oldest is dropped, counted
+    # Optional on-disk spool: every unacknowledged batch is also a file here, so an agent restart
+    # during a Kafka outage loses nothing. None: memory only.
+    spool_dir: Path | None = None
+    spool_dir_max_bytes: int = 1024 * 1024 * 1024
+    kafka_message_max_bytes: int = 1_000_000  # the broker's message.max.bytes: larger batches are split to fit
+    delivery_max_retries: int = 5  # a batch the broker refuses for good (not an outage) is dropped after this many tries
+    stop_flush_timeout_s: float = 10.0  # on SIGTERM/SIGINT the agent flushes what it holds for at most this long
     nvml: bool = True  # sample GPUs; without an NVML library this reports one status event
     nvml_library: str | None = None  # a specific libnvidia-ml path; None: the system's
     # Per-process /proc sampling (CPU, faults, context switches, I/O, RSS) of every rank process; no root needed.
@@ -57,6 +66,15 @@ class Config:
     # Identity rules: which environment variable names a process's tenant, the
     # tenant when none does, and the variables that name its job, in precedence order.
     tenant_env: str = "FLEETSCOPE_TENANT"
+    # Whether a workload's own environment may name its tenant. Trusted sources (the pod's namespace,
+    # tenant_map_file) always come first; set false on shared nodes, where a workload could claim any tenant.
+    tenant_env_trusted: bool = True
+    # Node-local tenant mapping (TOML): [pods] uid = "namespace/pod", [cgroups] "glob" = "tenant",
+    # [slurm_accounts] account = "tenant". None: no mapping file.
+    tenant_map_file: Path | None = None
+    # The kubelet's pod list JSON (GET /pods of its read-only port), as a URL or a file; resolves a cgroup's
+    # pod UID to its namespace, which becomes the tenant. None: not on Kubernetes.
+    kubelet_pods: str | None = None
     default_tenant: str = "default"
     job_env: tuple[str, ...] = ("FLEETSCOPE_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                                 "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
@@ -102,6 +120,16 @@ class Config:
             raise ConfigError(f"proc_interval_s={self.proc_interval_s}: must lie in [0.1, 60] seconds")
         if self.trace_duty_period_s < 0.2 or self.trace_poll_s <= 0:
             raise ConfigError("trace_duty_period_s must be >= 0.2 s and trace_poll_s > 0")
+        if self.spool_max_batches < 1 or self.spool_max_bytes < 1 or self.spool_dir_max_bytes < 1:
+            raise ConfigError("spool_max_batches, spool_max_bytes and spool_dir_max_bytes must be >= 1")
+        if self.kafka_message_max_bytes < 1000 or self.delivery_max_retries < 0 or self.stop_flush_timeout_s < 0:
+            raise ConfigError("kafka_message_max_bytes must be >= 1000, delivery_max_retries and stop_flush_timeout_s >= 0")
+        # A job or tenant name is published to every reader of the topics: never from a secret.
+        for setting, names in (("job_env", self.job_env), ("tenant_env", (self.tenant_env,))):
+            secret = [n for n in names if n and SECRET_NAME.search(n)]
+            if secret:
+                raise ConfigError(f"{setting} names {secret}, which look like secrets (SECRET, TOKEN, PASSWORD, KEY): "
+                                  f"their values would be published as identity; name other variables")
         try:
             [int(p) for p in self.trace_pids]
         except ValueError:
@@ -110,6 +138,8 @@ class Config:
 
 
 TRACE_FAMILIES = ("kernel", "cuda", "nccl", "python", "torch")
+# Variable names whose values must never become a published job or tenant name.
+SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|KEY|CREDENTIAL", re.IGNORECASE)
 
 _ENV = {  # env var -> field
     "FLEETSCOPE_KAFKA": "kafka", "FLEETSCOPE_TOPIC_PREFIX": "topic_prefix",
@@ -128,6 +158,12 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",
     "FLEETSCOPE_TRACE_HIT_COST_NS": "trace_hit_cost_ns", "FLEETSCOPE_TRACE_PYTHON_PREFIXES": "trace_python_prefixes",
+    "FLEETSCOPE_SPOOL_MAX_BATCHES": "spool_max_batches", "FLEETSCOPE_SPOOL_MAX_BYTES": "spool_max_bytes",
+    "FLEETSCOPE_SPOOL_DIR": "spool_dir", "FLEETSCOPE_SPOOL_DIR_MAX_BYTES": "spool_dir_max_bytes",
+    "FLEETSCOPE_KAFKA_MESSAGE_MAX_BYTES": "kafka_message_max_bytes",
+    "FLEETSCOPE_DELIVERY_MAX_RETRIES": "delivery_max_retries", "FLEETSCOPE_STOP_FLUSH_TIMEOUT_S": "stop_flush_timeout_s",
+    "FLEETSCOPE_TENANT_ENV_TRUSTED": "tenant_env_trusted", "FLEETSCOPE_TENANT_MAP_FILE": "tenant_map_file",
+    "FLEETSCOPE_KUBELET_PODS": "kubelet_pods",
 }
 
 
