@@ -19,7 +19,6 @@
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -27,27 +26,10 @@ import time
 from fleetscope.producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
 from fleetscope.producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, process_cpu_seconds
 from fleetscope.producers.tracers.kernel import TracerUnavailable
+from fleetscope.producers.tracers.registry import load_tracer
 
 log = logging.getLogger(__name__)
 FAILED = object()  # what _call returns when the call raised
-
-TRACER_CLASSES = {
-    "kernel": ("fleetscope.producers.tracers.kernel", "KernelTracer"),
-    "cuda": ("fleetscope.producers.tracers.cuda", "CudaTracer"),
-    "nccl": ("fleetscope.producers.tracers.nccl", "NcclTracer"),
-    "python": ("fleetscope.producers.tracers.python_vm", "PythonTracer"),
-    "torch": ("fleetscope.producers.tracers.torch_ops", "TorchTracer"),
-}
-
-
-def load_tracer(name: str, host: str, resolver, options: dict):
-    module_name, class_name = TRACER_CLASSES[name]
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except ImportError as e:
-        raise TracerUnavailable(f"the {name} tracer is not available in this build ({e})") from e
-    kwargs = {k: v for k, v in options.items() if k in getattr(cls, "OPTIONS", ())}
-    return cls(host, resolver=resolver, **kwargs)
 
 
 class TracerManager:
@@ -58,10 +40,9 @@ class TracerManager:
         if tracers is not None:  # injected (tests, embedding)
             self.tracers = dict(tracers)
         else:
-            options = {"python_prefixes": tuple(cfg.trace_python_prefixes)}
             for name in cfg.trace:
                 try:
-                    self.tracers[name] = load_tracer(name, cfg.host, resolver, options)
+                    self.tracers[name] = load_tracer(name, cfg, resolver)
                 except TracerUnavailable as e:
                     self.unavailable[name] = str(e)
                     log.warning("tracer %s not started: %s", name, e)

@@ -12,9 +12,17 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from fleetscope.schema import TRACED_SOURCES
+
 
 class ConfigError(ValueError):
     pass
+
+
+# The tracers `trace` may name, each after the source it publishes: the kernel tracer (tracepoints, never
+# duty-cycled, so no sample_frac) and the schema's duty-cycled traced sources. Their classes are in
+# fleetscope.producers.tracers.registry, whose test checks that it agrees with this list.
+TRACE_FAMILIES = ("kernel", *TRACED_SOURCES)
 
 
 def default_data_dir() -> Path:
@@ -81,7 +89,7 @@ class Config:
     # eBPF tracing. `trace` names the probe families to load (empty: no tracing).
     # Targets: explicit pids, a regex over process name/command line, and, with
     # trace_auto, every process that maps libcudart, libcuda, libnccl or libtorch.
-    trace: tuple[str, ...] = ("kernel", "cuda", "nccl", "python", "torch")
+    trace: tuple[str, ...] = TRACE_FAMILIES
     trace_auto: bool = True
     trace_pids: tuple[str, ...] = ()
     trace_name: str | None = None
@@ -136,8 +144,6 @@ class Config:
             raise ConfigError(f"trace_pids={list(self.trace_pids)}: must be process ids") from None
         return self
 
-
-TRACE_FAMILIES = ("kernel", "cuda", "nccl", "python", "torch")
 # Variable names whose values must never become a published job or tenant name.
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|KEY|CREDENTIAL", re.IGNORECASE)
 
