@@ -7,7 +7,9 @@ import logging
 import sys
 
 from fleetscope import config as config_mod
+from fleetscope.cli.global_options import add_global_options
 from fleetscope.cli.common import kafka_or_explain, load_config, open_configured_store, parse_params
+from fleetscope.cli.topic_flags import add_topic_flags, with_topic_flags
 
 
 def cmd_up(args) -> int:
@@ -16,12 +18,12 @@ def cmd_up(args) -> int:
 
 
 def cmd_agent(args) -> int:
-    cfg = load_config(args)
+    cfg = with_topic_flags(load_config(args), args)
     if not kafka_or_explain(cfg, "agent"):
         return 2
-    from fleetscope.topics import all_topics, ensure_topics
+    from fleetscope.topics import prepare_topics
     from fleetscope.producers.agent import build_agent
-    ensure_topics(cfg.kafka, all_topics(cfg), cfg.partitions)
+    prepare_topics(cfg, cfg.kafka)
     agent = build_agent(cfg, cfg.kafka)
     try:
         agent.run(duration_s=args.duration)
@@ -31,7 +33,7 @@ def cmd_agent(args) -> int:
 
 
 def cmd_streams(args) -> int:
-    cfg = load_config(args)
+    cfg = with_topic_flags(load_config(args), args)
     if not kafka_or_explain(cfg, "streams"):
         return 2
     from fleetscope.streams.worker import run_streams
@@ -53,7 +55,7 @@ def cmd_query(args) -> int:
     from fleetscope.store import StoreError
     store = open_configured_store(load_config(args))
     try:
-        result = store.query(args.sql, parse_params(args.param))
+        result = store.read_query(args.sql, parse_params(args.param))  # the query door: read-only
     except StoreError as exc:
         print(f"query failed: {exc}", file=sys.stderr)
         return 1
@@ -77,9 +79,7 @@ def cmd_query(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fleetscope", description="See inside ML jobs across a GPU fleet.")
-    p.add_argument("--config", help="TOML config file (default: $FLEETSCOPE_CONFIG)")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="embedded all-in-one: broker, streams worker, agent and chDB, with live status")
     up.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
@@ -89,18 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="run the node agent against FLEETSCOPE_KAFKA")
     agent.add_argument("--duration", type=float, help="stop after this many seconds")
     agent.set_defaults(func=cmd_agent)
+    add_topic_flags(agent)
 
     streams = sub.add_parser("streams", help="run one stream worker against FLEETSCOPE_KAFKA")
     streams.set_defaults(func=cmd_streams)
+    add_topic_flags(streams)
 
     db = sub.add_parser("db", help="store administration")
     db_sub = db.add_subparsers(dest="db_command", required=True)
     db_sub.add_parser("migrate", help="apply pending numbered migrations from sql/").set_defaults(func=cmd_migrate)
 
-    q = sub.add_parser("query", help="run SQL against the store (reaches a running `fleetscope up`)")
+    q = sub.add_parser("query", help="run read-only SQL against the store (reaches a running `fleetscope up`)")
     q.add_argument("sql", help="SQL; pass values as {name:Type} placeholders with --param")
     q.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a query parameter")
-    q.add_argument("--format", choices=("table", "json", "tsv"), default="table")
+    q.add_argument("--format", choices=("table", "json", "tsv"), default="table", help="output format (default: table)")
     q.set_defaults(func=cmd_query)
     from fleetscope.cli.kb import register as register_diagnosis
     register_diagnosis(sub)
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(sub)
     from fleetscope.cli.demo import register as register_demo
     register_demo(sub)
+    add_global_options(p)  # last: every subcommand registered above gets them
     return p
 
 
