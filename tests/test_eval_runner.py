@@ -71,7 +71,8 @@ def test_short_straggler_scenario_is_detected_end_to_end(tmp_path):
                                                      f"{(tmp_path / 'run.log').read_text()[-3000:]}")
     assert s["detection_delay_windows"] <= 6, s  # within 3 s of the quota starting
     assert s["recall"] >= 0.5 and s["precision"] >= 0.5, s
-    assert result["fault"]["injected"]["fault_on"] == pytest.approx(4.0, abs=1.0)
+    assert result["faults"][0]["injected"][0]["on_s"] == pytest.approx(4.0, abs=1.0)
+    assert result["faults"][0]["impact"]["impact_pct"] < 0, result["faults"][0]  # the quota slowed the job
     assert Path(result["plot"]).stat().st_size > 10_000
     # nothing left behind: the rank processes, the stack's data dir holds no live endpoint, the cgroup is gone
     assert _our_processes(result["job"]) == []
