@@ -1,34 +1,32 @@
-"""Versioned, compact checkpoint of a JobModel: numpy arrays + JSON, no pickle of our objects.
+"""Versioned, compact checkpoint of a JobModel: plain arrays + JSON, nothing unpickled.
 
-Layout: MAGIC (8 bytes) then an uncompressed .npz archive. Entry "meta" holds
-the JSON (format version, config, feature names, counters, scalars such as
-the random generators' states); every other entry is one array, named
-"<part>/<name>". Loading uses allow_pickle=False. The one exception is the
-optional river HalfSpaceTrees detector, whose trees are stored as a pickle
-inside the array "hst/river_pickle" (river has no other way to save them).
+The container (state_archive.py) is MAGIC then an uncompressed .npz; entry
+"meta" holds the JSON (format version, config, feature names, counters,
+scalars such as the random generators' states); every other entry is one
+array, named "<part>/<name>". Every part checks its arrays' dtypes and shapes
+against the model it is loaded into; any fault raises CheckpointError, and
+the caller relearns the job from scratch.
 
 Restoring gives bit-identical state (arrays are stored as they are, floats
 in JSON round-trip exactly), so later scores equal an uninterrupted run.
 """
 from __future__ import annotations
 
-import io
-import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
-import numpy as np
-
+from fleetscope.streams.model import state_archive
 from fleetscope.streams.model.config import ModelConfig
 from fleetscope.streams.model.feature_index import FeatureIndex
+from fleetscope.streams.model.state_archive import MAGIC, CheckpointError, StateArrays
 
-MAGIC = b"FSJMODEL"
-FORMAT_VERSION = 1
+__all__ = ["MAGIC", "CheckpointError", "dump", "load"]
+FORMAT_VERSION = 2   # 2: HalfSpaceTrees as arrays (1 held river's trees as a pickle: never read again)
 
 
 def dump(model) -> bytes:
-    arrays: dict[str, np.ndarray] = {}
+    arrays = {}
 
-    def put(part: str, d: dict[str, np.ndarray]) -> None:
+    def put(part: str, d: dict) -> None:
         for k, v in d.items():
             arrays[f"{part}/{k}"] = v
 
@@ -54,46 +52,75 @@ def dump(model) -> bytes:
         meta["mahal"], a = model.mahal.g.state()
         put("mahal", a)
     if model.hst:
-        put("hst", model.hst.state())
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    buf = io.BytesIO()
-    buf.write(MAGIC)
-    np.savez(buf, **arrays)
-    return buf.getvalue()
+        meta["hst"], a = model.hst.state()
+        put("hst", a)
+    return state_archive.write(meta, arrays)
 
 
-def load(blob: bytes):
-    from fleetscope.streams.model.job_model import JobModel
+def config_from(doc) -> ModelConfig:
+    """The saved ModelConfig, each field of the type its default has (a checkpoint is untrusted input)."""
+    if not isinstance(doc, dict):
+        raise CheckpointError("checkpoint config: not an object")
+    known = {f.name: f for f in fields(ModelConfig)}
+    unknown = sorted(set(doc) - set(known))
+    if unknown:
+        raise CheckpointError(f"checkpoint config: unknown fields {unknown}")
+    values = {}
+    for name, value in doc.items():
+        default = known[name].default
+        if name == "detectors":
+            ok = isinstance(value, list) and all(isinstance(d, str) for d in value)
+            value = tuple(value) if ok else value
+        elif default is None or name == "k":
+            ok = value is None or type(value) is int
+        elif type(default) is float:
+            ok = type(value) in (int, float)
+        else:
+            ok = type(value) is type(default)
+        if not ok:
+            raise CheckpointError(f"checkpoint config: {name}={value!r} has the wrong type")
+        values[name] = value
+    try:
+        return ModelConfig(**values)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint config: {exc}") from None
 
-    if not blob.startswith(MAGIC):
-        raise ValueError("not a fleetscope job-model checkpoint (bad magic)")
-    with np.load(io.BytesIO(blob[len(MAGIC):]), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    meta = json.loads(arrays.pop("meta").tobytes())
+
+def load(blob: bytes, model_class):
+    """The model saved in ``blob``, built with ``model_class(config)``; raises CheckpointError."""
+    meta, arrays = state_archive.read(blob)
     if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint format {meta.get('format')} is not supported (this code reads {FORMAT_VERSION})")
-
-    def part(name: str) -> dict[str, np.ndarray]:
-        p = name + "/"
-        return {k[len(p):]: v for k, v in arrays.items() if k.startswith(p)}
-
-    cfg = meta["config"]
-    cfg["detectors"] = tuple(cfg["detectors"])
-    model = JobModel(ModelConfig(**cfg))
-    model.index = FeatureIndex.from_state(meta["index"])
-    model.windows, model.last_window_ns = meta["windows"], meta["last_window_ns"]
-    model.flagged_run, model.stats = meta["flagged_run"], meta["stats"]
-    model.gmm.load(meta["gmm"], part("gmm"))
-    model.scaler.load(part("scaler"))
-    model.peers.load(part("peers"))
+        raise CheckpointError(f"checkpoint format {meta.get('format')!r} is not supported "
+                              f"(this code reads {FORMAT_VERSION}); the job's model relearns")
+    model = model_class(config_from(meta.get("config")))
+    try:
+        model.index = FeatureIndex.from_state(meta.get("index"), model.config.max_features)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {exc}") from None
+    dim = model.index.size
+    for key in ("windows", "flagged_run"):
+        setattr(model, key, arrays.count(meta, key, 1 << 62))
+    last = meta.get("last_window_ns")
+    if type(last) is not int or not -1 <= last < 1 << 63:
+        raise CheckpointError(f"checkpoint last_window_ns: {last!r} is not a time in ns")
+    model.last_window_ns = last
+    stats = meta.get("stats")
+    if not isinstance(stats, dict) or set(stats) - set(model.stats) \
+            or not all(type(v) is int and v >= 0 for v in stats.values()):
+        raise CheckpointError("checkpoint stats: not an object of this model's counters")
+    model.stats.update(stats)
+    model.gmm.load(arrays.mapping(meta, "gmm"), arrays.part("gmm"), dim)
+    model.scaler.load(arrays.part("scaler"), dim)
+    model.peers.load(arrays.part("peers"), dim)
+    thresholds = arrays.mapping(meta, "thresholds")
+    if set(thresholds) != set(model.thresholds):
+        raise CheckpointError(f"checkpoint thresholds: {sorted(thresholds)}, expected {sorted(model.thresholds)}")
     for name, t in model.thresholds.items():
-        t.load(meta["thresholds"][name], part(f"thr_{name}"))
-    if "admission" in meta:
-        model.admission.load(meta["admission"], part("admission"))
-    elif model.windows > model.config.warmup_windows // 2:   # written before admission existed
-        model.admission.fix(model.scaler.ready())
+        t.load(thresholds[name], arrays.part(f"thr_{name}"))
+    model.admission.load(arrays.mapping(meta, "admission"), arrays.part("admission"), dim)
     if model.mahal:
-        model.mahal.g.load(meta["mahal"], part("mahal"))
+        model.mahal.g.load(arrays.mapping(meta, "mahal"), arrays.part("mahal"), dim)
     if model.hst:
-        model.hst.load(part("hst"))
+        model.hst.load(arrays.mapping(meta, "hst"), arrays.part("hst"), dim)
+    arrays.check_all_taken()
     return model

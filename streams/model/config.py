@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from fleetscope.streams.model.ensemble import DETECTORS, Rule
 
 
+LIMITS = {"max_features": 4096, "k": 64, "max_components": 64, "dspot_depth": 1_000_000, "hst_trees": 100,
+          "hst_height": 12, "hst_window": 1_000_000, "top_k": 4096, "warmup_windows": 1_000_000}
+
+
 @dataclass
 class ModelConfig:
     # mixture
@@ -49,6 +53,10 @@ class ModelConfig:
 
     def __post_init__(self):
         self.detectors = tuple(self.detectors)
+        for name, most in LIMITS.items():   # sizes that become allocations: bounded (a checkpoint carries them)
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= most:
+                raise ValueError(f"{name}={value!r} must be between 0 and {most}")
         unknown = [d for d in self.detectors if d not in DETECTORS]
         if unknown:
             raise ValueError(f"unknown detector(s) {unknown}; known: {DETECTORS}")

@@ -104,15 +104,18 @@ class FeatureAdmission:
             arrays["scored"] = self.scored
         for name, t in self.shadow.items():
             meta["shadow"][name], a = t.state()
-            arrays.update({f"{name}.{k}": v for k, v in a.items()})
+            arrays.update({f"{name}/{k}": v for k, v in a.items()})
         return meta, arrays
 
-    def load(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
-        self.windows = meta["windows"]
-        self.pending = arrays["pending"].astype(bool)
-        self.scored = arrays["scored"].astype(bool) if meta["fixed"] else None
+    def load(self, meta: dict, arrays, dim: int) -> None:
+        """arrays: a StateArrays; masks of ``dim`` features, shadow thresholds of known detectors only."""
+        self.windows = arrays.count(meta, "windows", 1 << 62)
+        self.pending = arrays.take("pending", "b1", (dim,))
+        self.scored = arrays.take("scored", "b1", (dim,)) if arrays.flag(meta, "fixed") else None
         self.shadow = {}
-        for name, m in meta["shadow"].items():
+        for name, m in arrays.mapping(meta, "shadow").items():
+            if name not in self.detectors:
+                arrays.fail(f"shadow: {name!r} is not one of {self.detectors}")
             t = self.make_threshold()
-            t.load(m, {k[len(name) + 1:]: v for k, v in arrays.items() if k.startswith(name + ".")})
+            t.load(m, arrays.part(name))
             self.shadow[name] = t

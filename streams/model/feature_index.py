@@ -148,8 +148,23 @@ class FeatureIndex:
                 "ignored_names": self.ignored_names}
 
     @classmethod
-    def from_state(cls, s: dict) -> "FeatureIndex":
-        fi = cls(s["max_features"])
+    def from_state(cls, s: dict, max_features: int) -> "FeatureIndex":
+        """A saved index, checked: distinct names, at most ``max_features`` (the model's setting).
+        Raises ValueError naming the fault."""
+        if not isinstance(s, dict):
+            raise ValueError("index: not an object")
+        names, ignored = s.get("names"), s.get("ignored_names")
+        for key, value, most in (("names", names, max_features), ("ignored_names", ignored, IGNORED_NAMES_KEPT)):
+            if not isinstance(value, list) or len(value) > most or not all(isinstance(n, str) for n in value):
+                raise ValueError(f"index {key}: not a list of at most {most} names")
+        if len(set(names)) != len(names):
+            raise ValueError("index names: a name appears twice")
+        for key in ("ignored_values", "nonfinite_values"):
+            if type(s.get(key)) is not int or s[key] < 0:
+                raise ValueError(f"index {key}: {s.get(key)!r} is not a count")
+        if s.get("max_features") != max_features:
+            raise ValueError(f"index max_features {s.get('max_features')!r} differs from the model's {max_features}")
+        fi = cls(max_features)
         fi.names = list(s["names"])
         fi.index = {n: i for i, n in enumerate(fi.names)}
         fi.ignored_values = s["ignored_values"]

@@ -49,6 +49,8 @@ from functools import lru_cache
 import numpy as np
 from scipy.stats import norm
 
+from fleetscope.streams.model.state_archive import StateArrays
+
 LOG_2PI = float(np.log(2 * np.pi))
 CHOL_BYTES = 4 << 20    # full covariance: factorizations kept per M-step (component x mask pattern)
 
@@ -506,10 +508,27 @@ class GaussianMixture:
         meta = {"t": self.t, "rng": self.rng.bit_generator.state}
         return meta, {"s0": self.s0, "s1": self.s1, "s2": self.s2}
 
-    def load(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
-        self.t = meta["t"]
-        self.rng.bit_generator.state = meta["rng"]
-        self.s0, self.s1, self.s2 = arrays["s0"], arrays["s1"], arrays["s2"]
+    def load(self, meta: dict, arrays, dim: int | None = None) -> None:
+        """arrays: a StateArrays (or a dict of arrays); shapes are checked against ``dim`` features
+        (default: this mixture's) and the component limit."""
+        if isinstance(arrays, dict):
+            arrays = StateArrays(arrays)
+        dim = self.dim if dim is None else dim
+        self.t = arrays.count(meta, "t", 1 << 62)
+        most = max(self.cfg.k or 0, self.cfg.max_components)
+        s0 = arrays.take("s0", "f8", (None,))
+        if s0.size > most:
+            arrays.fail(f"s0: {s0.size} components, over the limit of {most}")
+        K = s0.size
+        s1 = arrays.take("s1", "f8", (K, dim))
+        s2 = arrays.take("s2", "f8", (K, dim, dim) if self.full else (K, dim))
+        if not all(np.isfinite(a).all() for a in (s0, s1, s2)):
+            arrays.fail("s0/s1/s2: statistics must be finite")
+        try:
+            self.rng.bit_generator.state = meta["rng"]
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            arrays.fail(f"rng: not a random generator state ({exc!r})")
+        self.s0, self.s1, self.s2 = s0, s1, s2
         self._mstep()
 
     def nbytes(self) -> int:

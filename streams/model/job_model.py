@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from fleetscope.streams.model import checkpoint
 from fleetscope.streams.model.config import ModelConfig, WindowScore
-from fleetscope.streams.model.detectors import HalfSpace, Mahalanobis
+from fleetscope.streams.model.detectors import Mahalanobis
 from fleetscope.streams.model.ensemble import Rule
 from fleetscope.streams.model.feature_admission import FeatureAdmission
 from fleetscope.streams.model.feature_index import FeatureIndex
 from fleetscope.streams.model.gmm import GaussianMixture, GMMConfig
+from fleetscope.streams.model.half_space_trees import HalfSpaceTrees
 from fleetscope.streams.model.peers import PeerComparison
 from fleetscope.streams.model.scaling import MaskedStandardizer
 from fleetscope.streams.model.threshold import DSpot
@@ -55,7 +57,7 @@ class JobModel:
         self.peers = PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor)
         self.mahal = (Mahalanobis(c.alpha, c.eta_min, c.var_floor, c.shrinkage)
                       if "mahalanobis" in c.detectors else None)
-        self.hst = (HalfSpace(c.hst_trees, c.hst_height, c.hst_window, c.seed)
+        self.hst = (HalfSpaceTrees(c.hst_trees, c.hst_height, c.hst_window, c.seed)
                     if "hst" in c.detectors else None)
         self.thresholds = {name: self._new_threshold() for name in SCORED_DETECTORS if name in c.detectors}
         self.admission = FeatureAdmission(self._new_threshold, c.rejoin_windows,
@@ -205,10 +207,9 @@ class JobModel:
 
     # ----------------------------------------------------------- checkpoint
     def to_bytes(self) -> bytes:
-        from fleetscope.streams.model.checkpoint import dump
-        return dump(self)
+        return checkpoint.dump(self)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "JobModel":
-        from fleetscope.streams.model.checkpoint import load
-        return load(blob)
+        """The model saved by to_bytes; raises checkpoint.CheckpointError (one line) on any fault."""
+        return checkpoint.load(blob, cls)

@@ -111,5 +111,6 @@ class PeerComparison:
     def state(self) -> dict[str, np.ndarray]:
         return {"typical": self.typical}
 
-    def load(self, arrays: dict[str, np.ndarray]) -> None:
-        self.typical = arrays["typical"]
+    def load(self, arrays, dim: int) -> None:
+        """arrays: a StateArrays; one typical spread per feature."""
+        self.typical = arrays.take("typical", "f8", (dim,))

@@ -99,6 +99,7 @@ class MaskedStandardizer:
     def state(self) -> dict[str, np.ndarray]:
         return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
-    def load(self, arrays: dict[str, np.ndarray]) -> None:
-        self.count, self.mean, self.m2 = arrays["count"], arrays["mean"], arrays["m2"]
+    def load(self, arrays, dim: int) -> None:
+        """arrays: a StateArrays; one value per feature each."""
+        self.count, self.mean, self.m2 = (arrays.take(k, "f8", (dim,)) for k in ("count", "mean", "m2"))
         self._scale, self._frozen = None, False

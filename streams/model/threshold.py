@@ -148,11 +148,20 @@ class DSpot:
         meta["recent"], meta["peaks"] = self.recent.meta(), self.peaks.meta()
         return meta, {"init": self.init, "recent": self.recent.buf, "peaks": self.peaks.buf}
 
-    def load(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
-        self.n, self.u, self.sigma, self.gamma, self.z = (meta[k] for k in ("n", "u", "sigma", "gamma", "z"))
-        self.init = arrays["init"]
-        self.recent.load(meta["recent"], arrays["recent"])
-        self.peaks.load(meta["peaks"], arrays["peaks"])
+    def load(self, meta: dict, arrays) -> None:
+        """arrays: a StateArrays; the rings must have this threshold's capacities."""
+        self.n, self.u, self.sigma, self.gamma = (arrays.number(meta, k) for k in ("n", "u", "sigma", "gamma"))
+        self.z = arrays.number(meta, "z", allow_none=True)
+        init = arrays.take("init", "f8", (None,))
+        if init.size > self.max_init:
+            arrays.fail(f"init: {init.size} warm-up scores, over the limit of {self.max_init}")
+        self.init = init
+        for ring, key in ((self.recent, "recent"), (self.peaks, "peaks")):
+            ring_meta = arrays.mapping(meta, key)
+            cap = ring.buf.size
+            ring.load({"count": arrays.count(ring_meta, "count", cap),
+                       "head": arrays.count(ring_meta, "head", max(cap - 1, 0))},
+                      arrays.take(key, "f8", (cap,)))
 
     def nbytes(self) -> int:
         return self.init.nbytes + self.recent.buf.nbytes + self.peaks.buf.nbytes
