@@ -80,7 +80,9 @@ class Publisher:
         self.cfg = cfg
         self.stats = PublisherStats()
         self._lock = threading.RLock()  # publish() runs on the agent and the XID watcher threads
-        self._conf = {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
+        from fleetscope.kafka_settings import KafkaSecurity
+        self._conf = {"bootstrap.servers": bootstrap, **KafkaSecurity.from_config(cfg).librdkafka(),
+                      "acks": "all", "enable.idempotence": True,
                       "max.in.flight.requests.per.connection": 5,  # with idempotence: order kept across retries
                       "linger.ms": 5, "message.timeout.ms": 30_000, "queue.buffering.max.messages": 100_000,
                       "message.max.bytes": cfg.kafka_message_max_bytes,

@@ -12,6 +12,7 @@ import os
 
 import faust
 
+from fleetscope.kafka_settings import KafkaSecurity
 from fleetscope.topics import RAW_SOURCES
 from fleetscope.streams import faust_transport
 from fleetscope.streams.flusher import BackgroundFlusher
@@ -36,6 +37,10 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
         # its session times out; keep that short so a restart resumes quickly.
         broker_session_timeout=6.0, broker_heartbeat_interval=1.0, broker_rebalance_timeout=10.0,
         datadir=str(cfg.data_dir / "faust"),
+        # The same security as every other client. Topics are created before Faust starts, with our topology
+        # (Faust cannot ask for the broker's default replication); no leader-only timers, so no leader topic.
+        **KafkaSecurity.from_config(cfg).faust_settings(),
+        topic_allow_declare=cfg.create_topics, topic_disable_leader=True,
     )
     raw = app.topic(*[cfg.raw_topic(s) for s in RAW_SOURCES], value_type=bytes, key_type=bytes,
                     value_serializer="raw", key_serializer="raw")

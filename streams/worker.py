@@ -11,26 +11,27 @@ import logging
 from fleetscope.config import Config
 from fleetscope.store import open_store
 from fleetscope.store.endpoint import QueryEndpoint
-from fleetscope.topics import all_topics, ensure_topics
+from fleetscope.kafka_settings import client_conf
+from fleetscope.topics import prepare_topics
 from fleetscope.streams.app import create_app, run_worker
 from fleetscope.streams.processor import StreamProcessor
 
 log = logging.getLogger(__name__)
 
 
-def derived_producer(bootstrap: str):
+def derived_producer(cfg: Config, bootstrap: str):
     from confluent_kafka import Producer
-    return Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
-                     "linger.ms": 5, "client.id": "fleetscope-streams"})
+    return Producer(client_conf(cfg, bootstrap, **{"acks": "all", "enable.idempotence": True,
+                                                    "linger.ms": 5, "client.id": "fleetscope-streams"}))
 
 
 def run_streams(cfg: Config, bootstrap: str) -> None:
-    ensure_topics(bootstrap, all_topics(cfg), cfg.partitions)
+    prepare_topics(cfg, bootstrap)
     store = open_store(cfg.data_dir, cfg.database, cfg.clickhouse_url, cfg.ttl_days, prefer_endpoint=False)
     applied = store.migrate()
     if applied:
         log.info("applied migrations: %s", ", ".join(applied))
-    processor = StreamProcessor(cfg, store, derived_producer(bootstrap))
+    processor = StreamProcessor(cfg, store, derived_producer(cfg, bootstrap))
     endpoint = QueryEndpoint(store, cfg.data_dir, stats_provider=processor.snapshot)
     endpoint.start()
     try:

@@ -37,6 +37,21 @@ class Config:
     embedded_broker_port: int = 0  # 0: pick a free loopback port
     topic_prefix: str = "fleetscope"
     partitions: int = 4
+    # Topic topology: per-topic partition counts ("features=8", "raw.nvml=12") over `partitions`; the
+    # replication factor -1 takes the broker's default.replication.factor (a real cluster's, not 1).
+    topic_partitions: tuple[str, ...] = ()
+    topic_replication: int = -1
+    create_topics: bool = True  # False on clusters where an admin manages topics (`--no-create-topics`)
+    # Kafka client security, the librdkafka names ([kafka_security] in the TOML file, FLEETSCOPE_KAFKA_* in the
+    # environment). The SASL password is never here: FLEETSCOPE_KAFKA_SASL_PASSWORD or the file below.
+    kafka_security_protocol: str = "PLAINTEXT"
+    kafka_sasl_mechanism: str | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password_file: str | None = None
+    kafka_ssl_ca_location: str | None = None
+    kafka_ssl_certificate_location: str | None = None
+    kafka_ssl_key_location: str | None = None
+    kafka_connect_timeout_s: float = 5.0  # how long a command waits for Kafka at start before one clear error line
     # Store: None means embedded chDB under data_dir.
     clickhouse_url: str | None = None
     database: str = "fleetscope"
@@ -117,6 +132,8 @@ class Config:
             raise ConfigError("window_s must be > 0 and allowed_lateness_s >= 0")
         if self.partitions < 1:
             raise ConfigError("partitions must be >= 1")
+        if self.topic_replication == 0 or self.topic_replication < -1:
+            raise ConfigError(f"topic_replication={self.topic_replication}: must be -1 (the broker's default) or >= 1")
         if not self.topic_prefix or any(c in self.topic_prefix for c in "/ \\"):
             raise ConfigError(f"topic_prefix {self.topic_prefix!r} must be non-empty without '/', spaces")
         unknown = set(self.trace) - set(TRACE_FAMILIES)
@@ -170,7 +187,14 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_DELIVERY_MAX_RETRIES": "delivery_max_retries", "FLEETSCOPE_STOP_FLUSH_TIMEOUT_S": "stop_flush_timeout_s",
     "FLEETSCOPE_TENANT_ENV_TRUSTED": "tenant_env_trusted", "FLEETSCOPE_TENANT_MAP_FILE": "tenant_map_file",
     "FLEETSCOPE_KUBELET_PODS": "kubelet_pods",
+    "FLEETSCOPE_TOPIC_PARTITIONS": "topic_partitions", "FLEETSCOPE_TOPIC_REPLICATION": "topic_replication",
+    "FLEETSCOPE_CREATE_TOPICS": "create_topics", "FLEETSCOPE_KAFKA_CONNECT_TIMEOUT_S": "kafka_connect_timeout_s",
+    **{f"FLEETSCOPE_{name.upper()}": name for name in (
+        "kafka_security_protocol", "kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password_file",
+        "kafka_ssl_ca_location", "kafka_ssl_certificate_location", "kafka_ssl_key_location")},
 }
+# TOML tables whose keys are settings under a prefix: [kafka_security] sasl_username = "x" -> kafka_sasl_username
+_SECTIONS = {"kafka_security": "kafka_"}
 
 
 def _coerce(name: str, raw):
@@ -196,6 +220,8 @@ def _coerce(name: str, raw):
         if "Path" in str(kind):
             return Path(os.path.expanduser(str(raw)))
         if "tuple" in str(kind):
+            if isinstance(raw, dict):  # a TOML table such as topic_partitions = {features = 8}
+                raw = [f"{k}={v}" for k, v in raw.items()]
             items = raw.split(",") if isinstance(raw, str) else list(raw)
             return tuple(i.strip() for i in items if i.strip())
         return str(raw)
@@ -216,6 +242,9 @@ def load(path: str | os.PathLike | None = None, env: dict | None = None, **overr
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        for section, prefix in _SECTIONS.items():
+            if isinstance(data.get(section), dict):
+                data.update({prefix + k: v for k, v in data.pop(section).items()})
         values.update({k: _coerce(k, v) for k, v in data.items()})
     for var, name in _ENV.items():
         if var in env:
