@@ -12,7 +12,11 @@
  * caller block for peers (gloo UnboundBuffer::waitRecv/waitSend on gloo's
  * worker threads, c10d::Work::wait on the caller). The cookie is the kind
  * (0 recv, 1 send, 2 work); a kind never nests on one thread, so entry and
- * return pair by (thread, kind). Calls and ns are cumulative per (pid, kind);
+ * return pair by (thread, kind). These functions throw, so their return is
+ * not a uretprobe (it would make an unwinding exception call std::terminate)
+ * but plain uprobes on each of their `ret` instructions running comm_return.
+ * A wait left by an exception never reaches one: its start stays behind and
+ * the thread's next entry of that kind counts it as unpaired. Calls and ns are cumulative per (pid, kind);
  * the longest wait goes to comm_max, which user space reads and empties each
  * sample (a per-interval maximum). */
 #include <uapi/linux/ptrace.h>
@@ -40,6 +44,7 @@ struct comm_key {
 struct comm_stats {
     u64 calls;
     u64 ns;
+    u64 unpaired;   /* entries whose call left without reaching a ret probe (exception, tail call) */
 };
 
 BPF_HASH(comm_waits, struct comm_key, struct comm_stats, 4096);
@@ -102,8 +107,17 @@ int op_return(struct pt_regs *ctx) {
 
 int comm_entry(struct pt_regs *ctx) {
     count_hit(1);
-    u64 key = (bpf_get_current_pid_tgid() << 32) | (u32)bpf_get_attach_cookie(ctx);
+    u64 id = bpf_get_current_pid_tgid();
+    u32 kind = bpf_get_attach_cookie(ctx);
+    u64 key = (id << 32) | kind;
     u64 now = bpf_ktime_get_ns();
+    if (comm_starts.lookup(&key)) {   /* the previous wait of this kind never reached a ret */
+        struct comm_key k = {.pid = id >> 32, .kind = kind};
+        struct comm_stats init = {};
+        struct comm_stats *s = comm_waits.lookup_or_try_init(&k, &init);
+        if (s)
+            __sync_fetch_and_add(&s->unpaired, 1);
+    }
     comm_starts.update(&key, &now);
     return 0;
 }

@@ -40,6 +40,12 @@ class CudaTracer(GpuCallTracer):
     BPF_FILE = "cuda.bpf.c"
     LIBRARIES = {"cudart": re.compile(r"/libcudart\.so[.\d]*$"), "cuda": re.compile(r"/libcuda\.so[.\d]*$")}
     FAMILIES = {"launch": "expensive", "memory": "always", "sync": "always"}
+    RETURN_PROBES = {
+        r"cuda\w+": "the CUDA runtime API is C: libcudart reports every failure as a cudaError_t return value "
+                    "and lets no C++ exception leave an API call",
+        r"cu\w+": "the CUDA driver API is C: libcuda reports every failure as a CUresult return value and lets "
+                  "no C++ exception leave an API call",
+    }
     APIS = (
         _rt("cudaLaunchKernel", "launch"), _rt("cudaLaunchCooperativeKernel", "launch"),
         _rt("cudaGraphLaunch", "launch"),

@@ -81,6 +81,8 @@ class GpuCallTracer:
     LIBRARIES: dict[str, re.Pattern] = {}
     APIS: tuple[Api, ...] = ()
     FAMILIES: dict[str, str] = {}
+    # {regex over API symbols: why a uretprobe is safe there}; every API gets one (see uprobes.check_return_probes)
+    RETURN_PROBES: dict[str, str] = {}
     PID_MAPS: tuple[str, ...] = ("stats",)  # maps whose keys carry a pid, cleaned on remove_pid
 
     def __init__(self, host: str, resolver=None, detail: bool = False, ring_pages: int = 1024):
@@ -104,7 +106,7 @@ class GpuCallTracer:
                                     f"at /lib/modules/{os.uname().release}/build (install.sh links them)") from e
         self._prog = {fn: load_multi_program(self.bpf, fn, self.SOURCE) for fn in ("on_call", "on_return")}
         self.libs: dict[int, dict[str, str]] = {}       # pid -> library key -> path
-        self.links = LinkSet()                          # (pid, family, library key) -> entry + return links
+        self.links = LinkSet(self.RETURN_PROBES)        # (pid, family, library key) -> entry + return links
         self._attached: dict[tuple, tuple[str, ...]] = {}  # the same keys -> the symbols they probe
         self.missing_symbols: set[tuple[str, str]] = set()  # (library path, symbol) not exported there
         self._offsets: dict[tuple[str, str], int] = {}  # (library path, symbol) -> file offset
@@ -170,7 +172,8 @@ class GpuCallTracer:
             cookies = tuple(i | (DRIVER_TAG if a.driver else 0) for i, a in apis)
             try:
                 self.links.attach(key, [Link(self._prog["on_call"], path, offsets, cookies),
-                                        Link(self._prog["on_return"], path, offsets, cookies, retprobe=True)], pid)
+                                        Link(self._prog["on_return"], path, offsets, cookies, retprobe=True,
+                                             symbols=tuple(a.symbol for _, a in apis))], pid)
             except OSError as e:  # the process is gone, or the kernel refused
                 if os.path.exists(f"/proc/{pid}"):
                     log.warning("%s tracer: cannot probe %s in %s (pid %d): %s", self.SOURCE, family, path, pid, e)

@@ -45,6 +45,8 @@ def _check_host() -> None:
 
 
 class KernelTracer:
+    RETURN_PROBES: dict[str, str] = {}  # none: tracepoints only, no uprobes
+
     def __init__(self, host: str, resolver=None, pids: Iterable[int] = ()):
         _check_host()
         try:

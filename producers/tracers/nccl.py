@@ -36,6 +36,8 @@ class NcclTracer(GpuCallTracer):
     BPF_FILE = "nccl.bpf.c"
     LIBRARIES = {"nccl": re.compile(r"/libnccl\.so[.\d]*$")}
     FAMILIES = {"collectives": "always"}
+    RETURN_PROBES = {r"nccl\w+": "the NCCL API is C: every failure is an ncclResult_t return value (NCCL's "
+                                  "C++ internals catch their own exceptions at the API boundary)"}
     APIS = (*(_api(c) for c in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Send", "Recv")),
             *(_api(c, has_bytes=False) for c in ("GroupStart", "GroupEnd", "CommInitRank")))
     PID_MAPS = ("stats", "peer_bytes", "comms")

@@ -107,6 +107,9 @@ def module_name(path: str) -> str:
 class PythonTracer(LinkedFamilyTracer):
     FAMILIES = FAMILIES
     source = "python"
+    # none: function__return and gc__done are USDT probes inside the interpreter, plain uprobes that
+    # replace no return address
+    RETURN_PROBES: dict[str, str] = {}
 
     def __init__(self, host: str, resolver=None, prefixes: tuple[str, ...] = ()):
         """`prefixes`: count only functions whose source file starts with one of these (none: all)."""
@@ -118,7 +121,7 @@ class PythonTracer(LinkedFamilyTracer):
         self.pids: dict[int, tuple[str, dict, bool]] = {}  # pid -> (object path, probe offsets, entry fires)
         self.unavailable: dict[int, str] = {}        # pid -> why it is not traced
         self.enabled = dict.fromkeys(FAMILIES, True)
-        self.links = LinkSet()                       # (pid, family) -> uprobe_multi links
+        self.links = LinkSet(self.RETURN_PROBES)     # (pid, family) -> uprobe_multi links
         self._progs: dict[tuple[str, str], int] = {}  # (object path, BPF function) -> program fd
         self._clock = DutyClock(FAMILIES)
         self._names: dict[tuple, str] = {}           # (path, pid, file, name) -> "module:function"

@@ -25,6 +25,23 @@ each probe carrying its op's index as BPF cookie: attaching or detaching the
 family is two link fds, one kernel grace period each (single-probe perf
 events took 16 s to detach 126 probes).
 
+Return probes, and why they are safe where they are (RETURN_PROBES): a
+uretprobe replaces the return address, and a C++ exception unwinding through
+such a function makes the process call std::terminate. The op wrappers keep
+uretprobes: each is a CPython method (PyObject* f(PyObject*, PyObject*,
+PyObject*), checked on the demangled signature) whose body is wrapped in
+HANDLE_TH_ERRORS/END_HANDLE_TH_ERRORS (torch/csrc/Exceptions.h), which
+catches every std::exception inside the wrapper and turns it into a Python
+error; the unwinder stops at that handler, inside the wrapper, and never
+reads the replaced return address. THPEngine_run_backward is wrapped the
+same way. The gloo and c10d waits below throw (timeouts, a lost peer)
+through to their callers, so they get no return probe: their return is seen
+by plain uprobes on each of their `ret` instructions, found by disassembly
+(return_sites.py). A wait left by an exception reaches no `ret` probe; its
+start is counted as unpaired at the thread's next wait of that kind
+(torch.comm_wait_unpaired). A wait that leaves by a tail call is not timed
+on that path either; those jumps are counted per library (`tail_call_exits`).
+
 Rows: torch.ops (calls) and torch.op_ns (time between wrapper entry and
 return) per op name, torch.lost_events; all deltas with the family's
 sample_frac (family "ops", expensive: duty-cycled by the governor).
@@ -41,14 +58,17 @@ present in stripped builds too), matched by demangled name:
 - c10d::Work::wait: where the caller of a synchronous collective
   (dist.all_reduce(t), work.wait()) waits for it. DDP waits on futures
   instead, so this one stays quiet under DDP.
-They fire per chunk of a collective, not per op: on the 3-rank test job one
-64 KB all_reduce made 8 waitRecv + 8 waitSend + 1 Work::wait per rank (33
-probe hits, entry and return), a 16 MB one about 48 waits; at 6-12 us a hit
+Each is probed at its entry and at its `ret` instructions (never with a
+uretprobe: these throw). They fire per chunk of a collective, not per op: on
+the 3-rank test job one 64 KB all_reduce made 8 waitRecv + 8 waitSend + 1
+Work::wait per rank (33 probe hits, entry and return), a 16 MB one about 48
+waits; at 6-12 us a hit
 that is well under a millisecond per collective. Rows per pid and kind (device "recv", "send",
 "work"): torch.comm_wait_calls and torch.comm_wait_ns (deltas; a measured 0
 while attached, so a rank with no collectives is not mistaken for one
 without the probes), torch.comm_wait_max_ns (a gauge: the longest single wait
-of the interval). A process without libtorch_cpu.so or without these
+of the interval), torch.comm_wait_unpaired (waits left without reaching a
+`ret`: by an exception or a tail call). A process without libtorch_cpu.so or without these
 symbols gets no rows; `family_unavailable[pid]` says why.
 """
 from __future__ import annotations
@@ -58,12 +78,14 @@ import os
 import re
 import subprocess
 import time
+from dataclasses import dataclass
 
 from fleetscope.wire import Batch
 from fleetscope.producers.tracers.discovery import find_library
 from fleetscope.producers.tracers.duty import DutyClock
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
 from fleetscope.producers.tracers.linked import LinkedFamilyTracer
+from fleetscope.producers.tracers.return_sites import return_sites
 from fleetscope.producers.tracers.rows import diff, metric_batch
 from fleetscope.producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
 
@@ -85,32 +107,51 @@ binary_cross_entropy_with_logits add add_ mul mul_ sum mean cat stack
 _foreach_add_ _foreach_mul_ _foreach_lerp_ _foreach_addcmul_ _foreach_addcdiv_ _foreach_sqrt
 _fused_adam_ _fused_adamw_ _fused_sgd_ backward
 """.split())
-_WRAPPER = re.compile(r"THPVariable_(\w+)\(")
-_symbol_cache: dict[tuple, list] = {}  # (purpose, library file identity) -> [(vaddr, op name or kind index)]
+# A CPython method: PyObject* (PyObject* self, PyObject* args[, PyObject* kwargs]), demangled
+_PY_METHOD_ARGS = r"\(_object\*(?:, _object\*){1,2}\)"
+_WRAPPER = re.compile(r"(?:torch::autograd::)?THPVariable_(\w+)" + _PY_METHOD_ARGS)  # fullmatch
+_BACKWARD = re.compile(r"(?:torch::autograd::(?:python::)?)?THPEngine_run_backward" + _PY_METHOD_ARGS)
+_CATCHES_ALL = ("a CPython method whose body is wrapped in HANDLE_TH_ERRORS/END_HANDLE_TH_ERRORS "
+                "(torch/csrc/Exceptions.h): every std::exception is caught inside it and becomes a Python "
+                "error, so no exception unwinds through its return address")
+_symbol_cache: dict[tuple, list] = {}  # (purpose, library file identity) -> what the symbols gave
 
 
-def _functions(path: str, dynamic: bool, fragments: tuple[str, ...]) -> list[tuple[int, str]]:
-    """(address, demangled name) of the functions `path` defines (its dynamic symbol table if `dynamic`, else
-    its full one) whose mangled name contains one of `fragments`."""
+@dataclass(frozen=True)
+class FamilyProbes:
+    """One family's probes in one process: entries, and where its returns are seen."""
+    lib: str
+    entries: tuple[int, ...]       # file offsets of the functions
+    cookies: tuple[int, ...]       # per entry: op index or COMM_KINDS index
+    symbols: tuple[str, ...]       # per entry: demangled name (return probes are checked against RETURN_PROBES)
+    exits: tuple[int, ...] = ()    # file offsets of `ret` instructions; () means a uretprobe on each entry
+    exit_cookies: tuple[int, ...] = ()
+
+
+def _functions(path: str, dynamic: bool, fragments: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """(address, size, demangled name) of the functions `path` defines (its dynamic symbol table if `dynamic`,
+    else its full one) whose mangled name contains one of `fragments`."""
     try:
-        nm = subprocess.run(["nm", "--defined-only", *(["-D"] if dynamic else []), path], capture_output=True,
-                            text=True, check=True).stdout
+        nm = subprocess.run(["nm", "--defined-only", "-S", *(["-D"] if dynamic else []), path],
+                            capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise TracerUnavailable(f"cannot read the symbols of {path} with nm ({e}); install binutils") from e
     picked = []
     for line in nm.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[1] in "tTwW" and not parts[2].endswith(".cold") and \
-                any(f in parts[2] for f in fragments):
-            picked.append((int(parts[0], 16), parts[2]))
+        if len(parts) == 3:  # a symbol without a size
+            parts = [parts[0], "0", *parts[1:]]
+        if len(parts) == 4 and parts[2] in "tTwW" and not parts[3].endswith(".cold") and \
+                any(f in parts[3] for f in fragments):
+            picked.append((int(parts[0], 16), int(parts[1], 16), parts[3]))
     if not picked:
         return []
     try:
-        demangled = subprocess.run(["c++filt"], input="\n".join(m for _, m in picked), capture_output=True,
+        demangled = subprocess.run(["c++filt"], input="\n".join(m for _, _, m in picked), capture_output=True,
                                    text=True, check=True).stdout.splitlines()
     except (OSError, subprocess.CalledProcessError) as e:
         raise TracerUnavailable(f"c++filt failed ({e}); install binutils") from e
-    return [(addr, name) for (addr, _), name in zip(picked, demangled)]
+    return [(addr, size, name) for (addr, size, _), name in zip(picked, demangled)]
 
 
 def _cached(purpose: str, path: str, build):
@@ -121,16 +162,17 @@ def _cached(purpose: str, path: str, build):
     return _symbol_cache[key]
 
 
-def op_symbols(path: str) -> list[tuple[int, str]]:
-    """(address in the library, op name) of every op wrapper in a libtorch_python, demangled; cached per file."""
+def op_symbols(path: str) -> list[tuple[int, str, str]]:
+    """(address in the library, op name, demangled symbol) of every op wrapper in a libtorch_python; cached
+    per file. Only CPython methods qualify (see _CATCHES_ALL): they are what may carry a uretprobe."""
     def build():
         ops = []
-        for addr, name in _functions(path, False, ("THPVariable_", "THPEngine_run_backward")):
-            m = _WRAPPER.search(name)
+        for addr, _, name in _functions(path, False, ("THPVariable_", "THPEngine_run_backward")):
+            m = _WRAPPER.fullmatch(name)
             if m:
-                ops.append((addr, m.group(1)))
-            elif "THPEngine_run_backward(" in name:
-                ops.append((addr, "backward"))
+                ops.append((addr, m.group(1), name))
+            elif _BACKWARD.fullmatch(name):
+                ops.append((addr, "backward", name))
         return ops
     ops = _cached("ops", path, build)  # an empty answer is cached too: a poll retrying the pid reads nothing again
     if not ops:
@@ -139,16 +181,35 @@ def op_symbols(path: str) -> list[tuple[int, str]]:
     return ops
 
 
-def comm_symbols(path: str) -> list[tuple[int, int]]:
-    """(address in the library, index into COMM_KINDS) of the gloo/c10d wait functions a libtorch_cpu exports,
-    matched by demangled name; cached per file."""
+@dataclass(frozen=True)
+class CommFunction:
+    addr: int
+    kind: int                # index into COMM_KINDS
+    name: str                # demangled
+    rets: tuple[int, ...]    # addresses of its `ret` instructions
+    tail_calls: int          # jumps that leave it without a `ret` (not timed on that path)
+
+
+def comm_symbols(path: str) -> list[CommFunction]:
+    """The gloo/c10d wait functions a libtorch_cpu exports, matched by demangled name, with their `ret`
+    instructions (disassembled: these throw, so they get no uretprobe); cached per file. A function whose
+    every exit is a tail call has nothing to time and is left out."""
     def build():
-        found: dict[int, int] = {}
-        for addr, name in _functions(path, True, ("UnboundBuffer", "4c10d4Work4wait")):
+        found: dict[int, CommFunction] = {}
+        for addr, size, name in _functions(path, True, ("UnboundBuffer", "4c10d4Work4wait")):
             m = _COMM_SYMBOL.match(name)
-            if m:
-                found.setdefault(addr, COMM_KINDS.index(m.group(1).lower() if m.group(1) else "work"))
-        return sorted(found.items())
+            if m and addr not in found:
+                sites = return_sites(path, addr, size)
+                fn = CommFunction(addr, COMM_KINDS.index(m.group(1).lower() if m.group(1) else "work"), name,
+                                  sites.rets, sites.tail_calls)
+                if fn.tail_calls:
+                    log.info("torch tracer: %s in %s leaves by %d jump(s) that are not timed", name, path,
+                             fn.tail_calls)
+                if fn.rets:
+                    found[addr] = fn
+                else:
+                    log.warning("torch tracer: %s in %s has no ret instruction; not probed", name, path)
+        return [found[a] for a in sorted(found)]
     syms = _cached("collectives", path, build)
     if not syms:
         raise TracerUnavailable(
@@ -160,6 +221,9 @@ def comm_symbols(path: str) -> list[tuple[int, int]]:
 class TorchTracer(LinkedFamilyTracer):
     FAMILIES = FAMILIES
     source = "torch"
+    # Where a uretprobe goes, and why it cannot harm the process there (checked on every return-probe link).
+    # The collectives' waits throw and are not here: their returns are probed at their `ret` instructions.
+    RETURN_PROBES = {_WRAPPER.pattern: _CATCHES_ALL, _BACKWARD.pattern: _CATCHES_ALL}
 
     def __init__(self, host: str, resolver=None, ops: frozenset[str] | None = None):
         """`ops`: op names to probe (default DEFAULT_OPS); "backward" is the autograd engine entry."""
@@ -176,14 +240,15 @@ class TorchTracer(LinkedFamilyTracer):
         self._prog = {fn: load_multi_program(self.bpf, fn, "torch op")
                       for fn in ("op_entry", "op_return", "comm_entry", "comm_return")}
         self.op_names: list[str] = sorted(self.ops)  # the BPF cookie is an index into this
-        # pid -> {family: (lib, file offsets, cookies)}, for the families the process has probes for
-        self.pids: dict[int, dict[str, tuple[str, list[int], list[int]]]] = {}
+        # pid -> {family: its probes}, for the families the process has probes for
+        self.pids: dict[int, dict[str, FamilyProbes]] = {}
         self.unavailable: dict[int, str] = {}  # pid -> why no family traces it
         self.family_unavailable: dict[int, dict[str, str]] = {}  # traced pid -> {family it lacks: why}
+        self.tail_call_exits: dict[str, int] = {}  # libtorch_cpu path -> wait exits by jump (not timed)
         self.enabled = dict.fromkeys(FAMILIES, True)
-        self.links = LinkSet()  # (pid, family) -> the entry and return links
+        self.links = LinkSet(self.RETURN_PROBES)  # (pid, family) -> the entry and return links
         self._clock = DutyClock(FAMILIES)
-        self._prev: dict[str, dict] = {"calls": {}, "ns": {}, "lost": {}, "comm": {}}
+        self._prev: dict[str, dict] = {"calls": {}, "ns": {}, "lost": {}, "comm": {}, "unpaired": {}}
         self._last_ns = time.time_ns()
 
     def add_pid(self, pid: int) -> bool:
@@ -218,21 +283,26 @@ class TorchTracer(LinkedFamilyTracer):
             log.info("torch tracer: pid %d without family %s: %s", pid, family, reason)
         return True
 
-    def _op_probes(self, pid: int) -> tuple[str, list[int], list[int]]:
+    def _op_probes(self, pid: int) -> FamilyProbes:
         lib = find_library(pid, LIBRARY)
         if lib is None:
             raise TracerUnavailable(f"pid {pid} does not map libtorch_python.so (not a PyTorch process, "
                                     "or torch not imported yet)")
-        syms = [(a, op) for a, op in op_symbols(lib) if op in self.ops]
-        return lib, [file_offset(lib, a) for a, _ in syms], [self.op_names.index(op) for _, op in syms]
+        syms = [(a, op, name) for a, op, name in op_symbols(lib) if op in self.ops]
+        return FamilyProbes(lib, tuple(file_offset(lib, a) for a, _, _ in syms),
+                            tuple(self.op_names.index(op) for _, op, _ in syms), tuple(n for _, _, n in syms))
 
-    def _comm_probes(self, pid: int) -> tuple[str, list[int], list[int]]:
+    def _comm_probes(self, pid: int) -> FamilyProbes:
         lib = find_library(pid, CPU_LIBRARY)
         if lib is None:
             raise TracerUnavailable(f"pid {pid} does not map libtorch_cpu.so (not a PyTorch process, "
                                     "or torch not imported yet)")
-        syms = comm_symbols(lib)
-        return lib, [file_offset(lib, a) for a, _ in syms], [kind for _, kind in syms]
+        fns = comm_symbols(lib)
+        self.tail_call_exits[lib] = sum(f.tail_calls for f in fns)
+        exits = [(ret, f.kind) for f in fns for ret in f.rets]
+        return FamilyProbes(lib, tuple(file_offset(lib, f.addr) for f in fns), tuple(f.kind for f in fns),
+                            tuple(f.name for f in fns), tuple(file_offset(lib, r) for r, _ in exits),
+                            tuple(k for _, k in exits))
 
     def hits(self) -> dict[str, int]:
         h = self.bpf[b"hits"]
@@ -267,10 +337,12 @@ class TorchTracer(LinkedFamilyTracer):
     def _comm_rows(self, interval: int, frac: float) -> list[tuple]:
         """torch.comm_wait_calls / _ns deltas per (pid, kind), a measured 0 for every attached probe without
         waits; torch.comm_wait_max_ns, the interval's longest wait (the BPF maximum is emptied as it is read)."""
-        cur = {(k.pid, k.kind): (v.calls, v.ns) for k, v in self.bpf[b"comm_waits"].items()}
+        stats = list(self.bpf[b"comm_waits"].items())
+        cur = {(k.pid, k.kind): (v.calls, v.ns) for k, v in stats}
+        unpaired = {(k.pid, k.kind): v.unpaired for k, v in stats}
         prev, self._prev["comm"] = self._prev["comm"], cur
         keys = {(pid, kind) for pid, fams in self.pids.items() if (pid, "collectives") in self.links
-                for kind in fams["collectives"][2]}
+                for kind in fams["collectives"].cookies}
         keys.update(k for k, v in cur.items() if v != prev.get(k))
         rows = []
         for pid, kind in sorted(keys):
@@ -281,6 +353,9 @@ class TorchTracer(LinkedFamilyTracer):
                      ("torch.comm_wait_ns", COMM_KINDS[kind], t - pt, pid, interval, frac)]
         rows += [("torch.comm_wait_max_ns", COMM_KINDS[k.kind], getattr(v, "value", v), k.pid, 0, 1.0)
                  for k, v in self.bpf[b"comm_max"].items_lookup_and_delete_batch()]
+        prev_unpaired, self._prev["unpaired"] = self._prev["unpaired"], unpaired
+        rows += [("torch.comm_wait_unpaired", COMM_KINDS[kind], d, pid, interval, frac)
+                 for (pid, kind), d in diff(prev_unpaired, unpaired).items() if d]
         return rows
 
     def close(self) -> None:
@@ -297,11 +372,13 @@ class TorchTracer(LinkedFamilyTracer):
     def _attach(self, pid: int, family: str) -> None:
         if family not in self.pids[pid]:
             return  # this process has no probes of the family (see family_unavailable)
-        lib, offsets, cookies = self.pids[pid][family]
+        p = self.pids[pid][family]
         entry, ret = ("op_entry", "op_return") if family == "ops" else ("comm_entry", "comm_return")
-        self.links.attach((pid, family), [Link(self._prog[entry], lib, tuple(offsets), tuple(cookies)),
-                                          Link(self._prog[ret], lib, tuple(offsets), tuple(cookies),
-                                               retprobe=True)], pid)
+        if p.exits:  # plain uprobes on the `ret` instructions: nothing on the stack is replaced
+            exit_link = Link(self._prog[ret], p.lib, p.exits, p.exit_cookies)
+        else:  # a uretprobe, refused by the link set unless RETURN_PROBES covers every symbol
+            exit_link = Link(self._prog[ret], p.lib, p.entries, p.cookies, retprobe=True, symbols=p.symbols)
+        self.links.attach((pid, family), [Link(self._prog[entry], p.lib, p.entries, p.cookies), exit_link], pid)
 
     def remove_pid(self, pid: int) -> None:
         super().remove_pid(pid)

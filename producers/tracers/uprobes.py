@@ -22,6 +22,7 @@ import ctypes
 import fcntl
 import logging
 import os
+import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -154,12 +155,40 @@ class Link:
     cookies: tuple[int, ...]
     retprobe: bool = False
     ref_ctr_offsets: tuple[int, ...] | None = None
+    symbols: tuple[str, ...] = ()  # the probed functions' names, one per offset (required for a retprobe link)
+
+
+class UndeclaredReturnProbe(ValueError):
+    """A return probe on a function its tracer has not declared safe for one (see check_return_probes)."""
+
+
+def check_return_probes(links, declared: dict[str, str]) -> None:
+    """Raise UndeclaredReturnProbe unless every symbol of every retprobe link fully matches a pattern in
+    `declared` ({regex: why a uretprobe cannot harm the process there}).
+
+    Why: a uretprobe replaces the return address; a C++ exception unwinding through the function then
+    finds the trampoline instead and the process calls std::terminate. A return probe goes only where no
+    exception can pass, and the tracer says why, per symbol."""
+    for ln in links:
+        if not ln.retprobe:
+            continue
+        if len(ln.symbols) != len(ln.offsets):
+            raise UndeclaredReturnProbe(f"a return-probe link on {ln.path} names {len(ln.symbols)} symbols for "
+                                        f"{len(ln.offsets)} probes; every return probe must name its function")
+        for sym in ln.symbols:
+            if not any(re.fullmatch(pattern, sym) for pattern in declared):
+                raise UndeclaredReturnProbe(f"no return probe is declared safe for {sym!r} in {ln.path}; "
+                                            "probe its return instructions instead (return_sites.py)")
 
 
 class LinkSet:
-    """The attached links of a tracer, grouped under keys such as (pid, family)."""
+    """The attached links of a tracer, grouped under keys such as (pid, family).
 
-    def __init__(self):
+    `return_probes` is the tracer's RETURN_PROBES declaration; a link set refuses any return probe
+    it does not cover, before touching the kernel."""
+
+    def __init__(self, return_probes: dict[str, str]):
+        self.return_probes = dict(return_probes)
         self.fds: dict[tuple, list[int]] = {}
 
     def __contains__(self, key) -> bool:
@@ -172,6 +201,8 @@ class LinkSet:
         """Attach all of `links` for `pid` under `key`, or none of them (OSError: e.g. the process exited)."""
         if key in self.fds:
             return
+        links = list(links)
+        check_return_probes(links, self.return_probes)
         fds: list[int] = []
         try:
             for ln in links:
