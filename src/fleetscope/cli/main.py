@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from fleetscope import config as config_mod
 from fleetscope.cli.global_options import add_global_options
@@ -51,11 +52,24 @@ def cmd_migrate(args) -> int:
     return 0
 
 
+def read_query_text(args) -> str:
+    """The SQL of `fleetscope query`: the argument, or the file --file names (exactly one of them)."""
+    if (args.sql is None) == (args.file is None):
+        raise SystemExit("fleetscope query: give the SQL as an argument or with --file PATH, not both or neither")
+    if args.file is None:
+        return args.sql
+    try:
+        return Path(args.file).read_text()
+    except OSError as exc:
+        raise SystemExit(f"fleetscope query: cannot read {args.file}: {exc.strerror}; give a readable SQL file")
+
+
 def cmd_query(args) -> int:
     from fleetscope.store import StoreError
+    sql = read_query_text(args)
     store = open_configured_store(load_config(args))
     try:
-        result = store.read_query(args.sql, parse_params(args.param))  # the query door: read-only
+        result = store.read_query(sql, parse_params(args.param))  # the query door: read-only
     except StoreError as exc:
         print(f"query failed: {exc}", file=sys.stderr)
         return 1
@@ -100,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     db_sub.add_parser("migrate", help="apply pending numbered migrations from sql/").set_defaults(func=cmd_migrate)
 
     q = sub.add_parser("query", help="run read-only SQL against the store (reaches a running `fleetscope up`)")
-    q.add_argument("sql", help="SQL; pass values as {name:Type} placeholders with --param")
+    q.add_argument("sql", nargs="?", help="SQL; pass values as {name:Type} placeholders with --param")
+    q.add_argument("--file", metavar="PATH", help="read the SQL from this file (e.g. a saved query in sql/queries/)")
     q.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a query parameter")
     q.add_argument("--format", choices=("table", "json", "tsv"), default="table", help="output format (default: table)")
     q.set_defaults(func=cmd_query)
