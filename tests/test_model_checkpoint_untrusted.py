@@ -100,17 +100,17 @@ def test_a_pickle_payload_in_a_checkpoint_is_never_run(trained, tmp_path, as_old
 def test_an_object_array_is_refused_by_its_dtype(trained, tmp_path):
     marker = tmp_path / "ran"
     parts = entries(trained)
-    parts["gmm/s0.npy"] = npy(np.array([RunsCommand(marker)], dtype=object), allow_pickle=True)
-    refused(pack(parts), "gmm/s0: dtype '|O'")
+    parts["det_gmm/s0.npy"] = npy(np.array([RunsCommand(marker)], dtype=object), allow_pickle=True)
+    refused(pack(parts), "det_gmm/s0: dtype '|O'")
     assert not marker.exists()
 
 
 def test_wrong_sizes_are_refused_before_the_model_uses_them(trained):
     parts = entries(trained)
-    s1 = np.load(io.BytesIO(parts["gmm/s1.npy"]))
-    bad = {**parts, "gmm/s1.npy": npy(np.zeros((s1.shape[0], s1.shape[1] + 1)))}
-    refused(pack(bad), "gmm/s1: shape")
-    bad = {**parts, "hst/feature.npy": npy(np.full((10, 255), 10_000, np.int64))}
+    s1 = np.load(io.BytesIO(parts["det_gmm/s1.npy"]))
+    bad = {**parts, "det_gmm/s1.npy": npy(np.zeros((s1.shape[0], s1.shape[1] + 1)))}
+    refused(pack(bad), "det_gmm/s1: shape")
+    bad = {**parts, "det_hst/feature.npy": npy(np.full((10, 255), 10_000, np.int64))}
     refused(pack(bad), "split features must lie in")
     bad = {**parts, "thr_gmm/peaks.npy": npy(np.zeros(7))}
     refused(pack(bad), "thr_gmm/peaks: shape")
@@ -123,15 +123,15 @@ def test_huge_declared_dimensions_allocate_nothing(trained):
     small = npy(np.zeros(2))
     header = small[:-16].replace(b"(2,)", b"(2147483647, 2147483647)")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    refused(pack({**parts, "gmm/s0.npy": header + b"\0" * 16}), "gmm/s0")
+    refused(pack({**parts, "det_gmm/s0.npy": header + b"\0" * 16}), "det_gmm/s0")
     long_vector = small[:-16].replace(b"(2,)", b"(10000000,)")       # 80 MB declared, 16 bytes held
-    refused(pack({**parts, "gmm/s0.npy": long_vector + b"\0" * 16}), "needs 80000000 bytes")
+    refused(pack({**parts, "det_gmm/s0.npy": long_vector + b"\0" * 16}), "needs 80000000 bytes")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024   # KiB
     meta = meta_of(parts)
     for field, value in (("max_features", 10**9), ("hst_height", 40), ("hst_trees", 10**6)):
         refused(pack(with_meta(parts, {**meta, "config": {**meta["config"], field: value}})), field)
-    names = {**meta["index"], "names": [f"f{i}" for i in range(5000)]}
-    refused(pack(with_meta(parts, {**meta, "index": names})), "index names")
+    names = {**meta["model"]["index"], "names": [f"f{i}" for i in range(5000)]}
+    refused(pack(with_meta(parts, {**meta, "model": {**meta["model"], "index": names}})), "index names")
 
 
 def test_truncated_corrupt_and_future_checkpoints_say_what_is_wrong(trained):

@@ -239,7 +239,7 @@ def test_every_score_reads_zero_where_its_mask_is_false():
     job = SyntheticJob(n_ranks=3, seed=4)
     model = JobModel(cfg)
     calls = []
-    for g in (model.gmm, model.mahal.g):
+    for g in (model.detectors["gmm"].mixture, model.detectors["mahalanobis"].g):
         real = g.score
 
         def checked(Z, M, real=real):

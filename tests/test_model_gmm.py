@@ -177,7 +177,8 @@ def test_streaming_1e5_vectors_keeps_memory_bounded():
         if w == 100:
             peak_100 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if w >= 100:
-            sizes.append((model.memory_bytes(), model.gmm.nbytes(), model.gmm.n_components))
+            mixture = model.detectors["gmm"].mixture
+            sizes.append((model.memory_bytes(), mixture.nbytes(), mixture.n_components))
     peak_end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     total, gmm, ks = (np.array(c) for c in zip(*sizes))
     # the mixture's arrays scale with K (<= max_components) and nothing else; the rest is constant

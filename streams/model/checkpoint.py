@@ -1,11 +1,13 @@
 """Versioned, compact checkpoint of a JobModel: plain arrays + JSON, nothing unpickled.
 
 The container (state_archive.py) is MAGIC then an uncompressed .npz; entry
-"meta" holds the JSON (format version, config, feature names, counters,
-scalars such as the random generators' states); every other entry is one
-array, named "<part>/<name>". Every part checks its arrays' dtypes and shapes
-against the model it is loaded into; any fault raises CheckpointError, and
-the caller relearns the job from scratch.
+"meta" holds the JSON (format version, config, and the model's own state:
+feature names, counters, scalars such as the random generators' states); every
+other entry is one array, named "<part>/<name>". The model saves and restores
+itself (JobModel.state/load, each detector through the detector protocol);
+this module owns the container, the version and the config. Every part checks
+its arrays' dtypes and shapes against the model it is loaded into; any fault
+raises CheckpointError, and the caller relearns the job from scratch.
 
 Restoring gives bit-identical state (arrays are stored as they are, floats
 in JSON round-trip exactly), so later scores equal an uninterrupted run.
@@ -16,45 +18,16 @@ from dataclasses import asdict, fields
 
 from fleetscope.streams.model import state_archive
 from fleetscope.streams.model.config import ModelConfig
-from fleetscope.streams.model.feature_index import FeatureIndex
-from fleetscope.streams.model.state_archive import MAGIC, CheckpointError, StateArrays
+from fleetscope.streams.model.state_archive import MAGIC, CheckpointError
 
 __all__ = ["MAGIC", "CheckpointError", "dump", "load"]
-FORMAT_VERSION = 2   # 2: HalfSpaceTrees as arrays (1 held river's trees as a pickle: never read again)
+FORMAT_VERSION = 3   # 2: HalfSpaceTrees as arrays (1 held river's trees as a pickle: never read again);
+#                      3: every detector's state under "det_<name>/", the model's own under "model"
 
 
 def dump(model) -> bytes:
-    arrays = {}
-
-    def put(part: str, d: dict) -> None:
-        for k, v in d.items():
-            arrays[f"{part}/{k}"] = v
-
-    gmm_meta, gmm_arrays = model.gmm.state()
-    put("gmm", gmm_arrays)
-    put("scaler", model.scaler.state())
-    put("peers", model.peers.state())
-    thr_meta = {}
-    for name, t in model.thresholds.items():
-        thr_meta[name], a = t.state()
-        put(f"thr_{name}", a)
-    meta = {
-        "format": FORMAT_VERSION,
-        "config": asdict(model.config),
-        "index": model.index.state(),
-        "windows": model.windows, "last_window_ns": model.last_window_ns,
-        "flagged_run": model.flagged_run, "stats": model.stats,
-        "gmm": gmm_meta, "thresholds": thr_meta,
-    }
-    meta["admission"], a = model.admission.state()
-    put("admission", a)
-    if model.mahal:
-        meta["mahal"], a = model.mahal.g.state()
-        put("mahal", a)
-    if model.hst:
-        meta["hst"], a = model.hst.state()
-        put("hst", a)
-    return state_archive.write(meta, arrays)
+    meta, arrays = model.state()
+    return state_archive.write({"format": FORMAT_VERSION, "config": asdict(model.config), "model": meta}, arrays)
 
 
 def config_from(doc) -> ModelConfig:
@@ -93,34 +66,6 @@ def load(blob: bytes, model_class):
         raise CheckpointError(f"checkpoint format {meta.get('format')!r} is not supported "
                               f"(this code reads {FORMAT_VERSION}); the job's model relearns")
     model = model_class(config_from(meta.get("config")))
-    try:
-        model.index = FeatureIndex.from_state(meta.get("index"), model.config.max_features)
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {exc}") from None
-    dim = model.index.size
-    for key in ("windows", "flagged_run"):
-        setattr(model, key, arrays.count(meta, key, 1 << 62))
-    last = meta.get("last_window_ns")
-    if type(last) is not int or not -1 <= last < 1 << 63:
-        raise CheckpointError(f"checkpoint last_window_ns: {last!r} is not a time in ns")
-    model.last_window_ns = last
-    stats = meta.get("stats")
-    if not isinstance(stats, dict) or set(stats) - set(model.stats) \
-            or not all(type(v) is int and v >= 0 for v in stats.values()):
-        raise CheckpointError("checkpoint stats: not an object of this model's counters")
-    model.stats.update(stats)
-    model.gmm.load(arrays.mapping(meta, "gmm"), arrays.part("gmm"), dim)
-    model.scaler.load(arrays.part("scaler"), dim)
-    model.peers.load(arrays.part("peers"), dim)
-    thresholds = arrays.mapping(meta, "thresholds")
-    if set(thresholds) != set(model.thresholds):
-        raise CheckpointError(f"checkpoint thresholds: {sorted(thresholds)}, expected {sorted(model.thresholds)}")
-    for name, t in model.thresholds.items():
-        t.load(thresholds[name], arrays.part(f"thr_{name}"))
-    model.admission.load(arrays.mapping(meta, "admission"), arrays.part("admission"), dim)
-    if model.mahal:
-        model.mahal.g.load(arrays.mapping(meta, "mahal"), arrays.part("mahal"), dim)
-    if model.hst:
-        model.hst.load(arrays.mapping(meta, "hst"), arrays.part("hst"), dim)
+    model.load(arrays.mapping(meta, "model"), arrays)
     arrays.check_all_taken()
     return model

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleetscope.streams.model.detector_registry import PRIMARY
 from fleetscope.streams.model.ensemble import DETECTORS, Rule
 
 
@@ -60,8 +61,8 @@ class ModelConfig:
         unknown = [d for d in self.detectors if d not in DETECTORS]
         if unknown:
             raise ValueError(f"unknown detector(s) {unknown}; known: {DETECTORS}")
-        if "gmm" not in self.detectors:
-            raise ValueError("the 'gmm' detector always runs (it is the score); keep it in detectors")
+        if PRIMARY not in self.detectors:
+            raise ValueError(f"the {PRIMARY!r} detector always runs (it is the score); keep it in detectors")
         missing = [n for n in Rule.parse(self.rule).names if n not in self.detectors]
         if missing:
             raise ValueError(f"rule {self.rule!r} uses detector(s) {missing} that are not in detectors={self.detectors}")

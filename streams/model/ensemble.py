@@ -5,13 +5,15 @@ Rule strings:
     "gmm and peer"           all of them        (k = n)
     "2 of gmm,peer,hst"      at least k of them
     "gmm"                    that one alone
-Detector names: gmm, peer, hst, mahalanobis.
+Detector names: those of detector_registry.REGISTRY (gmm, peer, hst, mahalanobis).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-DETECTORS = ("gmm", "peer", "hst", "mahalanobis")
+from fleetscope.streams.model.detector_registry import REGISTRY
+
+DETECTORS = tuple(REGISTRY)
 
 
 @dataclass(frozen=True)

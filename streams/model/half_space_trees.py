@@ -157,3 +157,42 @@ class HalfSpaceTrees:
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.lo, self.hi, self.feature, self.split, self.l_mass, self.r_mass))
+
+
+class HalfSpaceDetector:
+    """Half-space trees as a job-model detector: scores the usable raw values, learns the normal rows."""
+    name = "hst"
+    fixed_threshold = None
+    admits_late = False
+    explains = None
+
+    def __init__(self, trees: HalfSpaceTrees):
+        self.trees = trees
+
+    @classmethod
+    def from_config(cls, c) -> "HalfSpaceDetector":
+        return cls(HalfSpaceTrees(c.hst_trees, c.hst_height, c.hst_window, c.seed))
+
+    def grow(self, d: int, names: list[str]) -> None:
+        self.trees.grow(d)
+
+    def score(self, w) -> np.ndarray:
+        return self.trees.score(w.X, w.usable)
+
+    def explain(self, names, k):
+        return None
+
+    def learn(self, w, weights: np.ndarray) -> None:
+        self.trees.learn(w.X, w.usable, weights >= 1.0)
+
+    def rescale(self, change) -> None:
+        pass                      # min-max scales raw values itself
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        return self.trees.state()
+
+    def load(self, meta: dict, arrays, dim: int) -> None:
+        self.trees.load(meta, arrays, dim)
+
+    def nbytes(self) -> int:
+        return self.trees.nbytes()

@@ -6,10 +6,10 @@
 Per window (all ranks of the job together, one mini-batch):
  1. rows -> matrix with a mask (absent names are masked, never zero);
  2. standardize the usable cells (features with enough history);
- 3. score every rank: mixture NLL with per-feature contributions, robust
-    peer z-scores, and the comparison detectors that are configured;
- 4. after warm-up, each score detector flags against its own DSPOT threshold,
-    peers flag on |z| >= peer_z_threshold, and the ensemble rule decides;
+ 3. every configured detector (detector.py, detector_registry.py) scores every
+    rank; the primary one (the mixture's NLL) is each WindowScore's score;
+ 4. after warm-up, each detector flags against its own DSPOT threshold or its
+    fixed one (peers: |z| >= peer_z_threshold), and the ensemble rule decides;
  5. learn: flagged rows get ``anomaly_weight`` (0: not learned). When most of
     the job's ranks have been flagged ``regime_windows`` windows in a row the
     job itself has changed (a new phase), and those windows are learned in full
@@ -23,19 +23,15 @@ import numpy as np
 
 from fleetscope.streams.model import checkpoint
 from fleetscope.streams.model.config import ModelConfig, WindowScore
-from fleetscope.streams.model.detectors import Mahalanobis
+from fleetscope.streams.model.detector import WindowCells
+from fleetscope.streams.model.detector_registry import PRIMARY, build
 from fleetscope.streams.model.ensemble import Rule
 from fleetscope.streams.model.feature_admission import FeatureAdmission
 from fleetscope.streams.model.feature_index import FeatureIndex
-from fleetscope.streams.model.gmm import GaussianMixture, GMMConfig
-from fleetscope.streams.model.half_space_trees import HalfSpaceTrees
-from fleetscope.streams.model.peers import PeerComparison
 from fleetscope.streams.model.scaling import MaskedStandardizer
 from fleetscope.streams.model.threshold import DSpot
-from fleetscope.streams.model.top_features import TopFeatures
 
-SCORED_DETECTORS = ("gmm", "mahalanobis", "hst")
-OUTPUT_ORDER = ("gmm", "peer", "hst", "mahalanobis")   # WindowScore.detectors order
+EXPLAINED = ("contributions", "peer_z")     # the WindowScore fields a detector's explanation fills
 
 
 def zeroed_outside(Z: np.ndarray, mask: np.ndarray, usable: np.ndarray) -> np.ndarray:
@@ -50,18 +46,12 @@ class JobModel:
         self.rule = Rule.parse(c.rule)
         self.index = FeatureIndex(c.max_features)
         self.scaler = MaskedStandardizer(min_obs=c.scaler_min_obs, freeze_obs=c.scaler_freeze_obs)
-        self.gmm = GaussianMixture(GMMConfig(
-            covariance=c.covariance, k=c.k, max_components=c.max_components, alpha=c.alpha,
-            eta_min=c.eta_min, var_floor=c.var_floor, shrinkage=c.shrinkage, spawn_p=c.spawn_p,
-            merge_bd=c.merge_bd, seed=c.seed))
-        self.peers = PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor)
-        self.mahal = (Mahalanobis(c.alpha, c.eta_min, c.var_floor, c.shrinkage)
-                      if "mahalanobis" in c.detectors else None)
-        self.hst = (HalfSpaceTrees(c.hst_trees, c.hst_height, c.hst_window, c.seed)
-                    if "hst" in c.detectors else None)
-        self.thresholds = {name: self._new_threshold() for name in SCORED_DETECTORS if name in c.detectors}
+        self.detectors = build(c)
+        # detectors without a fixed threshold flag against a DSPOT threshold each
+        self.thresholds = {name: self._new_threshold() for name, d in self.detectors.items()
+                           if d.fixed_threshold is None}
         self.admission = FeatureAdmission(self._new_threshold, c.rejoin_windows,
-                                          [d for d in ("gmm", "mahalanobis") if d in self.thresholds])
+                                          [name for name in self.thresholds if self.detectors[name].admits_late])
         self.windows = 0
         self.last_window_ns = -1
         self.flagged_run = 0
@@ -71,7 +61,7 @@ class JobModel:
     # ------------------------------------------------------------ helpers
     @property
     def warm(self) -> bool:
-        return self.thresholds["gmm"].calibrated
+        return self.thresholds[PRIMARY].calibrated
 
     def _new_threshold(self) -> DSpot:
         c = self.config
@@ -80,12 +70,8 @@ class JobModel:
     def _grow(self, d: int) -> None:
         self.scaler.grow(d)
         self.admission.grow(d)
-        self.gmm.grow(d)
-        self.peers.grow(d, self.index.names)
-        if self.mahal:
-            self.mahal.grow(d)
-        if self.hst:
-            self.hst.grow(d)
+        for det in self.detectors.values():
+            det.grow(d, self.index.names)
 
     # -------------------------------------------------------------- public
     def process_window(self, window_start_ns: int, rows: list[tuple[int, dict[str, float]]]) -> list[WindowScore]:
@@ -110,36 +96,29 @@ class JobModel:
         usable = M & ready
         Z = self.scaler.transform(X, usable)
         S = adm.mask(usable)                   # the scored features' cells
-        Zs = zeroed_outside(Z, S, usable)
-        sc = self.gmm.score(Zs, S)
-        contrib = self.gmm.contributions(Zs, S, sc)
-        pz = self.peers.zscores(X, M, learn=not replay, learn_below=c.peer_z_threshold)
-        scorable = sc.n_obs > 0
+        w = WindowCells(X, M, usable, Z, S, zeroed_outside(Z, S, usable), adm.scored, learn=not replay)
+        scores = {name: det.score(w) for name, det in self.detectors.items()}
+        scorable = S.any(axis=1)               # rows with a scored cell; the others cannot be judged
         self.stats["unscorable_rows"] += int((~scorable).sum())
-        scores = {"gmm": sc.nll}
-        if self.mahal:
-            scores["mahalanobis"] = self.mahal.score(Zs, S)
         shadow_scores = None
         if adm.active:                         # late features pending: their shadow thresholds' scores
             E = adm.extended(usable)
-            Ze = zeroed_outside(Z, E, usable)
-            shadow_scores = {"gmm": self.gmm.score(Ze, E).nll}
-            if self.mahal:
-                shadow_scores["mahalanobis"] = self.mahal.score(Ze, E)
-        if self.hst:
-            scores["hst"] = self.hst.score(X, usable)
+            shadow = w.with_late_features(E, zeroed_outside(Z, E, usable))
+            shadow_scores = {name: self.detectors[name].score(shadow) for name in adm.detectors}
 
         n = len(rows)
         warm = self.warm
         fired: dict[str, np.ndarray] = {}
-        gmm_threshold = None
+        primary_threshold = None
         if warm:
-            gmm_threshold = self.thresholds["gmm"].threshold()
-            for name, s in scores.items():
-                f = np.zeros(n, bool)
-                f[scorable] = self.thresholds[name].step(s[scorable], learn=not replay)
-                fired[name] = f
-            fired["peer"] = np.abs(pz).max(axis=1, initial=0.0) >= c.peer_z_threshold
+            primary_threshold = self.thresholds[PRIMARY].threshold()
+            for name, det in self.detectors.items():
+                if det.fixed_threshold is not None:
+                    fired[name] = scores[name] >= det.fixed_threshold
+                else:
+                    f = np.zeros(n, bool)
+                    f[scorable] = self.thresholds[name].step(scores[name][scorable], learn=not replay)
+                    fired[name] = f
             votes = np.zeros(n, np.int64)      # Rule.decide, for all rows at once
             for d in self.rule.names:
                 if d in fired:
@@ -148,64 +127,105 @@ class JobModel:
         else:
             anomaly = np.zeros(n, bool)
             if not replay and self.windows > c.warmup_windows // 2:
-                for name, s in scores.items():
-                    self.thresholds[name].warm(s[scorable])
+                for name, t in self.thresholds.items():
+                    t.warm(scores[name][scorable])
             if not replay and self.windows >= c.warmup_windows:
                 for t in self.thresholds.values():
                     if t.init.size >= 10:
                         t.calibrate()
 
         if not replay:
-            self._learn(X, M, Z, usable, sc, anomaly)
+            self._learn(w, anomaly)
             if shadow_scores is not None:
                 normal = scorable & ~anomaly
                 adm.observe({name: s[normal] for name, s in shadow_scores.items()})
                 self.stats["features_admitted"] += adm.admit(self.thresholds, warm)
 
         names = self.index.name_array()
-        top_c = TopFeatures(contrib, S, contrib, names, c.top_k)
-        top_z = TopFeatures(pz, M & (pz != 0), np.abs(pz), names, c.top_k)
+        tops = {det.explains: det.explain(names, c.top_k) for det in self.detectors.values() if det.explains}
+        top_c, top_z = (tops.get(field) for field in EXPLAINED)
         detectors: list[list[str]] = [[] for _ in range(n)]
-        for d in OUTPUT_ORDER:
-            if d in fired:
-                for i in np.flatnonzero(fired[d]).tolist():
-                    detectors[i].append(d)
+        for d, f in fired.items():             # registry order: WindowScore.detectors' order
+            for i in np.flatnonzero(f).tolist():
+                detectors[i].append(d)
         # positional: one object per rank per window, and keywords cost ~0.5 us each here
-        return [WindowScore(r, s, gmm_threshold, a, det, top_c, top_z, warm, i)
-                for i, (r, s, a, det) in enumerate(zip(ranks.tolist(), sc.nll.tolist(), anomaly.tolist(), detectors))]
+        return [WindowScore(r, s, primary_threshold, a, det, top_c, top_z, warm, i)
+                for i, (r, s, a, det) in enumerate(zip(ranks.tolist(), scores[PRIMARY].tolist(), anomaly.tolist(),
+                                                        detectors))]
 
-    def _learn(self, X, M, Z, usable, sc, anomaly) -> None:
+    def _learn(self, w: WindowCells, anomaly: np.ndarray) -> None:
         c = self.config
         self.flagged_run = self.flagged_run + 1 if anomaly.mean() > 0.5 else 0
         if self.flagged_run >= c.regime_windows:
-            w = np.ones(len(anomaly))
+            weights = np.ones(len(anomaly))
             self.stats["regime_windows_learned"] += 1
         else:
-            w = np.where(anomaly, c.anomaly_weight, 1.0)
-        self.gmm.partial_fit(Z, usable, w, scored=sc, compare=self.admission.scored)
-        if self.mahal:
-            self.mahal.learn(Z, usable, w)
-        normal = w >= 1.0
-        if self.hst:
-            self.hst.learn(X, usable, normal)
-        change = self.scaler.update(X, M & normal[:, None])
+            weights = np.where(anomaly, c.anomaly_weight, 1.0)
+        for det in self.detectors.values():
+            det.learn(w, weights)
+        change = self.scaler.update(w.X, w.observed & (weights >= 1.0)[:, None])
         if change is not None:
-            args = (change.a, change.b, change.moved, change.fresh)
-            self.gmm.affine(*args)
-            if self.mahal:
-                self.mahal.affine(*args)
+            for det in self.detectors.values():
+                det.rescale(change)
 
     def memory_bytes(self) -> int:
-        total = self.gmm.nbytes() + sum(a.nbytes for a in self.scaler.state().values())
-        total += self.peers.typical.nbytes + sum(t.nbytes() for t in self.thresholds.values())
+        total = sum(det.nbytes() for det in self.detectors.values())
+        total += sum(a.nbytes for a in self.scaler.state().values())
+        total += sum(t.nbytes() for t in self.thresholds.values())
         total += sum(len(n) + 64 for n in self.index.names) * 2   # names list + index dict
-        if self.mahal:
-            total += self.mahal.g.nbytes()
-        if self.hst:
-            total += self.hst.nbytes()
         return total
 
     # ----------------------------------------------------------- checkpoint
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """What the model learned: JSON-able scalars and plain arrays named "<part>/<name>"."""
+        arrays: dict[str, np.ndarray] = {}
+
+        def put(part: str, d: dict) -> None:
+            arrays.update({f"{part}/{k}": v for k, v in d.items()})
+
+        meta = {"index": self.index.state(), "windows": self.windows, "last_window_ns": self.last_window_ns,
+                "flagged_run": self.flagged_run, "stats": self.stats, "detectors": {}, "thresholds": {}}
+        for name, det in self.detectors.items():
+            meta["detectors"][name], a = det.state()
+            put(f"det_{name}", a)
+        for name, t in self.thresholds.items():
+            meta["thresholds"][name], a = t.state()
+            put(f"thr_{name}", a)
+        meta["admission"], a = self.admission.state()
+        put("admission", a)
+        put("scaler", self.scaler.state())
+        return meta, arrays
+
+    def load(self, meta: dict, arrays) -> None:
+        """Restore ``state()`` into this freshly built model; ``arrays`` is a StateArrays.
+        Raises CheckpointError naming what does not fit."""
+        try:
+            self.index = FeatureIndex.from_state(meta.get("index"), self.config.max_features)
+        except ValueError as exc:
+            arrays.fail(str(exc))
+        dim = self.index.size
+        self.windows = arrays.count(meta, "windows", 1 << 62)
+        self.flagged_run = arrays.count(meta, "flagged_run", 1 << 62)
+        last = meta.get("last_window_ns")
+        if type(last) is not int or not -1 <= last < 1 << 63:
+            arrays.fail(f"last_window_ns: {last!r} is not a time in ns")
+        self.last_window_ns = last
+        stats = meta.get("stats")
+        if not isinstance(stats, dict) or set(stats) - set(self.stats) \
+                or not all(type(v) is int and v >= 0 for v in stats.values()):
+            arrays.fail("stats: not an object of this model's counters")
+        self.stats.update(stats)
+        for key, have in (("detectors", self.detectors), ("thresholds", self.thresholds)):
+            saved = arrays.mapping(meta, key)
+            if set(saved) != set(have):
+                arrays.fail(f"{key}: {sorted(saved)}, this model has {sorted(have)}")
+        for name, det in self.detectors.items():
+            det.load(meta["detectors"][name], arrays.part(f"det_{name}"), dim)
+        for name, t in self.thresholds.items():
+            t.load(meta["thresholds"][name], arrays.part(f"thr_{name}"))
+        self.admission.load(arrays.mapping(meta, "admission"), arrays.part("admission"), dim)
+        self.scaler.load(arrays.part("scaler"), dim)
+
     def to_bytes(self) -> bytes:
         return checkpoint.dump(self)
 

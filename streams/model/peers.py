@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fleetscope.streams.model.top_features import TopFeatures
+
 MAD_TO_SIGMA = 1.4826
 MEAN_AD_TO_SIGMA = 1.2533  # sqrt(pi/2), for a normal
 HISTOGRAM_STEP = 2 ** 0.25 - 1   # relative width of the tracers' quarter-octave latency buckets
@@ -114,3 +116,48 @@ class PeerComparison:
     def load(self, arrays, dim: int) -> None:
         """arrays: a StateArrays; one typical spread per feature."""
         self.typical = arrays.take("typical", "f8", (dim,))
+
+
+class PeerDetector:
+    """Peer comparison as a detector: a row's score is its largest |robust z| over its features,
+    and it flags at ``fixed_threshold``. The typical spread learns while scoring (from the cells
+    below the threshold), so ``learn`` has nothing left to do."""
+    name = "peer"
+    admits_late = False
+    explains = "peer_z"
+
+    def __init__(self, comparison: PeerComparison, z_threshold: float):
+        self.peers = comparison
+        self.fixed_threshold = z_threshold
+        self._z: tuple[np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def from_config(cls, c) -> "PeerDetector":
+        return cls(PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor), c.peer_z_threshold)
+
+    def grow(self, d: int, names: list[str]) -> None:
+        self.peers.grow(d, names)
+
+    def score(self, w) -> np.ndarray:
+        z = self.peers.zscores(w.X, w.observed, learn=w.learn, learn_below=self.fixed_threshold)
+        self._z = (z, w.observed)
+        return np.abs(z).max(axis=1, initial=0.0)
+
+    def explain(self, names: np.ndarray, k: int):
+        from_z, observed = self._z
+        return TopFeatures(from_z, observed & (from_z != 0), np.abs(from_z), names, k)
+
+    def learn(self, w, weights: np.ndarray) -> None:
+        pass
+
+    def rescale(self, change) -> None:
+        pass                      # works on raw values: the standardization is not its business
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        return {}, self.peers.state()
+
+    def load(self, meta: dict, arrays, dim: int) -> None:
+        self.peers.load(arrays, dim)
+
+    def nbytes(self) -> int:
+        return self.peers.typical.nbytes
