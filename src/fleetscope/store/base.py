@@ -99,6 +99,15 @@ class Store(ABC):
         """
 
     @abstractmethod
+    def read_query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        """The query door: run one statement from outside (`fleetscope query`, the endpoint).
+
+        Only statements that read the store get through (read_only.check_read_only),
+        the engine runs them read-only, and each has a max_execution_time. `query`
+        is the worker's internal path and stays unrestricted.
+        """
+
+    @abstractmethod
     def close(self) -> None: ...
 
     def __enter__(self) -> "Store":

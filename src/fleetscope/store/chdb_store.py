@@ -4,8 +4,12 @@ Two chDB facts shape this file:
 - one process per data directory: a second process fails with "Error
   initializing EmbeddedServer" (we raise StoreBusyError), and one process
   can hold only one data directory at a time;
-- the session is not thread-safe, so every call takes `_lock` (the query
-  endpoint serves requests from several threads).
+- the session is not thread-safe, so every call takes `_lock`;
+- the query door (read_query: `fleetscope query`, the endpoint) runs on a
+  second, read-only session of the same directory (chdb_reader.py), so a long
+  read never holds `_lock` while the worker inserts;
+- the data directory is 0700 and files chDB writes are 0600 (umask 077 while
+  the store is open).
 
 Inserts go through `INSERT ... SELECT ... FROM Python(df)`: chDB reads the
 pandas DataFrame named `df` from the calling frame's locals, at memory speed.
@@ -13,6 +17,7 @@ pandas DataFrame named `df` from the calling frame's locals, at memory speed.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,6 +27,8 @@ import pandas as pd
 
 from fleetscope.store.base import (ColumnData, Prepared, QueryResult, StoreBusyError, StoreError, check_identifier,
                                    json_default)
+from fleetscope.store.chdb_reader import ChdbReader
+from fleetscope.store.read_only import READ_TIMEOUT_S
 from fleetscope.store.sql_store import SqlStore
 from fleetscope.wire import StrColumn
 
@@ -32,16 +39,20 @@ BUSY_MESSAGE = ("the chDB data directory {path} is held by another fleetscope pr
 
 
 class ChdbStore(SqlStore):
-    def __init__(self, path: Path, database: str = "fleetscope", ttl_days: int = 7) -> None:
+    def __init__(self, path: Path, database: str = "fleetscope", ttl_days: int = 7,
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
         super().__init__(database, ttl_days)
         from chdb import session  # late: importing chdb loads a large library
 
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self._umask_before = _private_umask()
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path.chmod(0o700)  # also a directory made by an older version: the data is private
         self._lock = threading.Lock()
         try:
             self._session = session.Session(str(self.path))
         except Exception as exc:  # chDB raises a bare RuntimeError
+            os.umask(self._umask_before)
             if "Error initializing EmbeddedServer" in str(exc):
                 raise StoreBusyError(BUSY_MESSAGE.format(path=self.path)) from exc
             if "EmbeddedServer already initialized" in str(exc):
@@ -55,6 +66,8 @@ class ChdbStore(SqlStore):
         self._run("SET session_timezone = 'UTC'")
         self._run(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
         self._run(f"USE `{self.database}`")  # unqualified names resolve in our database
+        # The query door reads on its own session: it never waits for, nor holds up, the inserts.
+        self._reader = ChdbReader(self.path, self.database, read_timeout_s)
 
     def _run(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
         with self._lock:
@@ -68,6 +81,9 @@ class ChdbStore(SqlStore):
 
     def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
         return self._run(sql, params)
+
+    def read_query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        return self._reader.query(sql, params)
 
     def insert(self, table: str, columns: dict[str, ColumnData], dedupe_token: str | None = None) -> int:
         if _is_flat_arrow(columns):
@@ -119,10 +135,24 @@ class ChdbStore(SqlStore):
                 raise StoreError(f"insert into {table} failed: {exc}") from exc
 
     def close(self) -> None:
+        if getattr(self, "_reader", None) is not None:
+            self._reader.close()
         with self._lock:
             if self._session is not None:
                 self._session.close()
                 self._session = None
+                os.umask(self._umask_before)
+
+
+def _private_umask() -> int:
+    """Make files created from now on private to this user; return the mask before.
+
+    chDB writes parts from its own threads for as long as the store is open, so
+    the mask is the process's until close(). The process holding chDB is
+    fleetscope's own (up, streams), never the traced workload."""
+    before = os.umask(0o077)
+    os.umask(before | 0o077)
+    return before
 
 
 def _is_flat_arrow(data) -> bool:

@@ -8,6 +8,12 @@ then the PASSWORD variable, then the file. Messages show the URL redacted.
 
 Query values are bound server-side: clickhouse-connect sends `{x:Type}`
 parameters as HTTP query parameters, never spliced into SQL.
+
+The query door (read_query) sends readonly=2 with each query: DDL and DML are
+refused by the server, and max_execution_time can still travel with the query
+(readonly=1 would refuse that setting). readonly=2 lets table functions run,
+so read_only.check_read_only refuses them first. Not exercised against a
+server here: there is none on the test machines.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import numpy as np
 
 from fleetscope.store.base import ColumnData, Prepared, QueryResult, StoreError, datetime_precision
+from fleetscope.store.read_only import READ_TIMEOUT_S, check_read_only
 from fleetscope.store.sql_store import SqlStore
 from fleetscope.wire import StrColumn
 
@@ -118,8 +125,10 @@ def jsonable(v: Any) -> Any:
 
 
 class ClickHouseServerStore(SqlStore):
-    def __init__(self, url: str, database: str = "fleetscope", ttl_days: int = 7) -> None:
+    def __init__(self, url: str, database: str = "fleetscope", ttl_days: int = 7,
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
         super().__init__(database, ttl_days)
+        self.read_timeout_s = read_timeout_s
         conn = resolve_connection(url)
         self.url = redact(url)
         import clickhouse_connect  # late: only this backend needs it
@@ -135,8 +144,15 @@ class ClickHouseServerStore(SqlStore):
         self._client.database = self.database  # unqualified names resolve in our database
 
     def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        return self._query(sql, params, None)
+
+    def read_query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        check_read_only(sql)
+        return self._query(sql, params, {"readonly": 2, "max_execution_time": self.read_timeout_s})
+
+    def _query(self, sql: str, params: dict[str, Any] | None, settings: dict | None) -> QueryResult:
         try:
-            res = self._client.query(sql, parameters=params or None)
+            res = self._client.query(sql, parameters=params or None, settings=settings)
         except Exception as exc:
             raise StoreError(str(exc)) from exc
         return QueryResult(list(res.column_names or ()), [tuple(jsonable(v) for v in row) for row in res.result_rows])
