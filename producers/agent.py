@@ -6,6 +6,7 @@ every tick, so a drop anywhere on the node is visible downstream.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import asdict
@@ -66,20 +67,50 @@ class Agent:
         self.ticks += 1
 
     def run(self, duration_s: float | None = None) -> None:
-        """Tick every sample_interval_s on a drift-free schedule until stopped."""
-        interval = self.cfg.sample_interval_s
-        start = time.monotonic()
-        next_at = start
-        while not self._stop.is_set():
-            self.tick()
-            if duration_s is not None and time.monotonic() - start >= duration_s:
-                break
-            next_at += interval
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-        self._close_parts()
-        left = self.publisher.flush(10.0)
-        if left:
-            log.warning("%d batches still undelivered at agent stop", left)
+        """Tick every sample_interval_s on a drift-free schedule until stopped, then flush what is held.
+
+        On the main thread, SIGTERM and SIGINT stop the loop the same way, so
+        an orchestrator's stop (or Ctrl-C) delivers what the agent holds, for
+        at most stop_flush_timeout_s, instead of losing it.
+        """
+        restore = self._stop_on_signals()
+        try:
+            interval = self.cfg.sample_interval_s
+            start = time.monotonic()
+            next_at = start
+            while not self._stop.is_set():
+                self.tick()
+                if duration_s is not None and time.monotonic() - start >= duration_s:
+                    break
+                next_at += interval
+                self._stop.wait(max(0.0, next_at - time.monotonic()))
+            self._close_parts()
+            left = self.publisher.close(self.cfg.stop_flush_timeout_s)
+            if left:
+                log.warning("%d batches were still undelivered after %.0f s at agent stop",
+                            left, self.cfg.stop_flush_timeout_s)
+        finally:
+            restore()
+
+    def _stop_on_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None  # signals reach only the main thread; whoever runs us there stops us
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def stop(signum, _frame):
+            log.info("%s: stopping; flushing what the agent holds (at most %.0f s)",
+                     signal.Signals(signum).name, self.cfg.stop_flush_timeout_s)
+            self.stop()
+            for sig, handler in previous.items():  # a second signal is not soft
+                signal.signal(sig, handler)
+
+        for sig in previous:
+            signal.signal(sig, stop)
+
+        def restore():
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return restore
 
     def stop(self) -> None:
         self._stop.set()

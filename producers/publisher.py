@@ -227,7 +227,11 @@ class Publisher:
                     self.stats.delivery_errors += 1
                     self._failed(item, err)
                 if self._paused and not self._in_flight:
-                    self._paused = False  # every failed message is back in the spool, in order
+                    # Every failed message is back in the spool, in order. The producer that failed them may
+                    # hold a producer id the broker forgot (tansu after a restart; Kafka once producer state
+                    # expires) and retry it forever without an error: resend through a fresh one.
+                    self._paused = False
+                    self._restart_due = True
                 self._update_gauges()
         return delivered
 
@@ -263,7 +267,7 @@ class Publisher:
         self._push(item)
 
     def _restart_producer(self) -> None:
-        """A fatal producer error: take back every message it held, in order, and start a new producer."""
+        """Take back every message the producer held, in order, and start a new producer."""
         self._restart_due = False
         old = self._producer
         for item in list(self._in_flight.values()):
@@ -275,7 +279,7 @@ class Publisher:
         except Exception:  # noqa: BLE001 - the old producer is being thrown away whatever it says
             pass
         self.stats.producer_restarts += 1
-        log.warning("the Kafka producer hit a fatal error: replaced it; %d messages will be resent in order",
+        log.warning("replaced the Kafka producer after failed deliveries; %d messages will be resent in order",
                     len(self._waiting))
         self._producer = self._new_producer()
 
