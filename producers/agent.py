@@ -127,7 +127,10 @@ class Agent:
 
 def identity_rules(cfg: Config):
     from fleetscope.producers.identity import IdentityRules
-    return IdentityRules(tenant_env=cfg.tenant_env, default_tenant=cfg.default_tenant, job_env=tuple(cfg.job_env))
+    from fleetscope.producers.tenant_sources import TenantSources
+    sources = TenantSources(cfg.tenant_map_file, cfg.kubelet_pods)
+    return IdentityRules(tenant_env=cfg.tenant_env, default_tenant=cfg.default_tenant, job_env=tuple(cfg.job_env),
+                         tenant_env_trusted=cfg.tenant_env_trusted, sources=sources if sources.configured else None)
 
 
 def build_agent(cfg: Config, bootstrap: str) -> Agent:

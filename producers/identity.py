@@ -17,6 +17,8 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fleetscope.config import SECRET_NAME
+
 log = logging.getLogger(__name__)
 
 # First variable present (and an integer) wins. PMI_SIZE pairs with PMI_RANK
@@ -46,6 +48,17 @@ _CONTAINERD_NAME = re.compile(r"/containerd/([^/]+)")
 _POD_UID = re.compile(
     r"pod([0-9a-f]{8}[-_]?[0-9a-f]{4}[-_]?[0-9a-f]{4}[-_]?[0-9a-f]{4}[-_]?[0-9a-f]{12})(?![0-9a-f])")
 
+# What may become a published tenant or job name: the key is `tenant/job`, and names reach dashboards,
+# remediation commands and every reader of the topics. No slashes, no spaces, no leading '_' (the
+# reserved `_node` tenant), bounded length. A value that fails is ignored (counted), never published.
+NAME_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
+NODE_TENANT = "_node"  # fleetscope.schema.NODE_TENANT: the node's own events; no process may claim it
+
+
+def publishable_name(value: str) -> bool:
+    return bool(NAME_SHAPE.fullmatch(value)) and value != NODE_TENANT
+
+
 _GONE = (errno.ENOENT, errno.ESRCH)
 _DENIED = (errno.EACCES, errno.EPERM)
 
@@ -61,6 +74,9 @@ class Identity:
     visible_devices: tuple[str, ...] = ()
     container: str = ""
     pod: str = ""
+    namespace: str = ""  # the pod's, from the kubelet or the node mapping (trusted), when known
+    pod_name: str = ""
+    container_name: str = ""
     master_addr: str = ""
     source: str = "none"  # which rule decided the job: torchelastic, slurm, mpi, env:NAME, rendezvous, none
 
@@ -77,10 +93,21 @@ class IdentityRules:
     default_tenant: str = "default"
     job_env: tuple[str, ...] = ("FLEETSCOPE_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                                 "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
+    # Whether the workload's own tenant_env may name its tenant (after every trusted source).
+    tenant_env_trusted: bool = True
+    # The operator's trusted sources (kubelet pod list, node mapping file): a TenantSources.
+    sources: object | None = None
+    rejected: dict = dataclasses.field(default_factory=lambda: {"tenant": 0, "job": 0})
 
-    def tenant(self, env: dict[str, str], pod: str) -> str:
-        # The platform's pod mapping outranks the environment: a workload can
-        # set its own variables, but not the namespace it was scheduled into.
+    def __post_init__(self) -> None:
+        for name in (*self.job_env, self.tenant_env or ""):
+            if name and SECRET_NAME.search(name):
+                raise ValueError(f"identity variable {name} looks like a secret (SECRET, TOKEN, PASSWORD, KEY): "
+                                 f"its value would be published as a job or tenant name; name another variable")
+
+    def tenant(self, env: dict[str, str], pod: str, cgroup_paths: list[str] | None = None) -> str:
+        # The platform's mapping outranks the environment: a workload can set
+        # its own variables, but not the namespace it was scheduled into.
         if self.tenant_from_namespace and self.tenant_by_pod and pod:
             try:
                 mapped = self.tenant_by_pod(pod)
@@ -89,17 +116,29 @@ class IdentityRules:
             except Exception as e:  # noqa: BLE001
                 log.debug("identity: tenant_by_pod(%s) failed: %s", pod, e)
                 mapped = None
-            if mapped:
+            if mapped and self._publishable("tenant", mapped):
                 return mapped
-        if self.tenant_env and env.get(self.tenant_env):
-            return env[self.tenant_env]
+        if self.sources is not None:
+            trusted = self.sources.tenant(pod if self.tenant_from_namespace else "", cgroup_paths or [], env)
+            if trusted and self._publishable("tenant", trusted):
+                return trusted
+        claimed = env.get(self.tenant_env, "").strip() if self.tenant_env and self.tenant_env_trusted else ""
+        if claimed and self._publishable("tenant", claimed):
+            return claimed
         return self.default_tenant
+
+    def _publishable(self, kind: str, value: str) -> bool:
+        if publishable_name(value):
+            return True
+        self.rejected[kind] += 1
+        log.debug("identity: %s value of %d characters is not a publishable name; ignored", kind, len(value))
+        return False
 
     def job(self, env: dict[str, str], host: str) -> tuple[str, str]:
         """(job, source)."""
         for name in self.job_env:
             value = env.get(name, "").strip()
-            if value.lower() not in _MEANINGLESS_JOB_IDS:
+            if value.lower() not in _MEANINGLESS_JOB_IDS and self._publishable("job", value):
                 return value, _JOB_SOURCE.get(name, f"env:{name}")
         addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
         if addr and port and ("RANK" in env or "WORLD_SIZE" in env):
@@ -107,7 +146,9 @@ class IdentityRules:
             # the same string on every node, so it names the node instead.
             if addr in _LOOPBACK_ADDRS or addr.startswith("127."):
                 addr = host
-            return f"{addr}:{port}", "rendezvous"
+            job = f"{addr}:{port}"
+            if self._publishable("job", job):
+                return job, "rendezvous"
         return "", "none"
 
 
@@ -267,12 +308,17 @@ class IdentityResolver:
         if self._image_key(pid) != key:
             raise _Vanished
         env = parse_environ(raw_env or b"")
-        container, pod = parse_cgroup((raw_cgroup or b"").decode(errors="replace"))
+        cgroup_text = (raw_cgroup or b"").decode(errors="replace")
+        container, pod = parse_cgroup(cgroup_text)
+        paths = [line.split(":", 2)[-1] for line in cgroup_text.splitlines() if line]
+        info = self.rules.sources.pod(pod) if self.rules.sources is not None and pod else None
         job, source = self.rules.job(env, self.host)
         visible = tuple(d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip())
         # Indexes only: UUIDs and MIG names need NVML to become an index.
         gpu = int(visible[0]) if visible and visible[0].isdigit() else -1
-        return Identity(tenant=self.rules.tenant(env, pod), job=job,
+        return Identity(tenant=self.rules.tenant(env, pod, paths), job=job,
+                        namespace=info.namespace if info else "", pod_name=info.name if info else "",
+                        container_name=info.container_name(container) if info else "",
                         rank=_first_int(env, RANK_ENV), local_rank=_first_int(env, LOCAL_RANK_ENV),
                         world_size=_first_int(env, WORLD_SIZE_ENV), gpu=gpu, visible_devices=visible,
                         container=container, pod=pod, master_addr=env.get("MASTER_ADDR", ""), source=source)
