@@ -204,15 +204,14 @@ def test_return_sites_counts_jumps_that_leave_and_keeps_those_that_stay():
     from fleetscope.producers.tracers.return_sites import parse_objdump
     listing = """
     1000:\tpush   %rbx
-    1004:\tje     1010 <f+0x10>
-    1006:\tjmp    1020 <f+0x20>
-    100b:\tjmp    9000 <f.cold+0x4>
+    1004:\tje     0x1010
+    1006:\tjmp    0x1020
     1010:\trepz ret
     1012:\tjmp    *%rax
-    1014:\tjmp    5000 <g>
+    1014:\tjmp    0x5000
     1019:\tret
-    101a:\tbnd jmp 4000 <h>
+    101a:\tbnd jmp 0x4000
 """
     sites = parse_objdump(listing, 0x1000, 0x30)
     assert sites.rets == (0x1010, 0x1019)
-    assert sites.tail_calls == 3  # the indirect jump, and the jumps to g and h; not the .cold or in-range ones
+    assert sites.jumps_out == 3  # the indirect jump and the jumps to 0x5000 and 0x4000; not the in-range one

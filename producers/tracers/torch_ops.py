@@ -40,7 +40,7 @@ by plain uprobes on each of their `ret` instructions, found by disassembly
 (return_sites.py). A wait left by an exception reaches no `ret` probe; its
 start is counted as unpaired at the thread's next wait of that kind
 (torch.comm_wait_unpaired). A wait that leaves by a tail call is not timed
-on that path either; those jumps are counted per library (`tail_call_exits`).
+on that path either; jumps out of the waits are counted per library (`jumps_out`).
 
 Rows: torch.ops (calls) and torch.op_ns (time between wrapper entry and
 return) per op name, torch.lost_events; all deltas with the family's
@@ -187,7 +187,7 @@ class CommFunction:
     kind: int                # index into COMM_KINDS
     name: str                # demangled
     rets: tuple[int, ...]    # addresses of its `ret` instructions
-    tail_calls: int          # jumps that leave it without a `ret` (not timed on that path)
+    jumps_out: int           # jumps that may leave it without a `ret` (not timed on such a path)
 
 
 def comm_symbols(path: str) -> list[CommFunction]:
@@ -201,10 +201,10 @@ def comm_symbols(path: str) -> list[CommFunction]:
             if m and addr not in found:
                 sites = return_sites(path, addr, size)
                 fn = CommFunction(addr, COMM_KINDS.index(m.group(1).lower() if m.group(1) else "work"), name,
-                                  sites.rets, sites.tail_calls)
-                if fn.tail_calls:
-                    log.info("torch tracer: %s in %s leaves by %d jump(s) that are not timed", name, path,
-                             fn.tail_calls)
+                                  sites.rets, sites.jumps_out)
+                if fn.jumps_out:
+                    log.info("torch tracer: %s in %s has %d jump(s) out of its range (tail calls or its .cold "
+                             "part); a wait leaving by one is not timed", name, path, fn.jumps_out)
                 if fn.rets:
                     found[addr] = fn
                 else:
@@ -244,7 +244,7 @@ class TorchTracer(LinkedFamilyTracer):
         self.pids: dict[int, dict[str, FamilyProbes]] = {}
         self.unavailable: dict[int, str] = {}  # pid -> why no family traces it
         self.family_unavailable: dict[int, dict[str, str]] = {}  # traced pid -> {family it lacks: why}
-        self.tail_call_exits: dict[str, int] = {}  # libtorch_cpu path -> wait exits by jump (not timed)
+        self.jumps_out: dict[str, int] = {}  # libtorch_cpu path -> jumps out of the waits (exits not timed)
         self.enabled = dict.fromkeys(FAMILIES, True)
         self.links = LinkSet(self.RETURN_PROBES)  # (pid, family) -> the entry and return links
         self._clock = DutyClock(FAMILIES)
@@ -298,7 +298,7 @@ class TorchTracer(LinkedFamilyTracer):
             raise TracerUnavailable(f"pid {pid} does not map libtorch_cpu.so (not a PyTorch process, "
                                     "or torch not imported yet)")
         fns = comm_symbols(lib)
-        self.tail_call_exits[lib] = sum(f.tail_calls for f in fns)
+        self.jumps_out[lib] = sum(f.jumps_out for f in fns)
         exits = [(ret, f.kind) for f in fns for ret in f.rets]
         return FamilyProbes(lib, tuple(file_offset(lib, f.addr) for f in fns), tuple(f.kind for f in fns),
                             tuple(f.name for f in fns), tuple(file_offset(lib, r) for r, _ in exits),
