@@ -1,0 +1,25 @@
+-- Grafana, fleet overview: nodes whose ranks were flagged, with their GPU throttling in the same range.
+-- The store keeps no node-level role yet (no `role` column): a node appears here when ranks it hosts were
+-- flagged, and throttled_windows counts its node windows with a clock-limiting throttle reason.
+SELECT
+    a.host AS host,
+    a.anomalies AS anomalies,
+    a.flagged_ranks AS flagged_ranks,
+    a.jobs AS jobs,
+    ifNull(n.throttled_windows, 0) AS throttled_windows
+FROM
+(
+    SELECT host, count() AS anomalies, uniqExact(tenant, job, rank) AS flagged_ranks,
+           arrayStringConcat(arraySort(groupUniqArray(concat(tenant, '/', job))), ', ') AS jobs
+    FROM anomalies FINAL
+    WHERE $__timeFilter(window_start)
+    GROUP BY host
+) AS a
+LEFT JOIN
+(
+    SELECT host, countIf(feature['gpu_throttled'] > 0) AS throttled_windows
+    FROM features FINAL
+    WHERE tenant = '_node' AND $__timeFilter(window_start)
+    GROUP BY host
+) AS n ON n.host = a.host
+ORDER BY anomalies DESC, host

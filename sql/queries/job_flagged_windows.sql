@@ -1,0 +1,15 @@
+-- Grafana, job view: the job's flagged windows, newest first. The store has no `role` column yet
+-- (culprit / waiting / node / job), so the detectors that fired stand in for it.
+SELECT
+    window_start,
+    rank,
+    host,
+    round(score, 3) AS score,
+    round(threshold, 3) AS threshold,
+    arrayStringConcat(detectors, ', ') AS detectors,
+    arrayStringConcat(arraySlice(arrayReverseSort(x -> contributions[x], mapKeys(contributions)), 1, 3), ', ')
+        AS top_features
+FROM anomalies FINAL
+WHERE tenant = ${tenant:sqlstring} AND job = ${job:sqlstring} AND $__timeFilter(window_start)
+ORDER BY window_start DESC, rank
+LIMIT 500
