@@ -261,3 +261,62 @@ def test_a_cpu_only_job_can_match_an_entry_whose_gpu_condition_it_cannot_answer(
                   detectors=["peer"], contributions={"proc_read_bytes_per_s": 30.0},
                   peer_z={"proc_read_bytes_per_s": 40.0}, features={**HEALTHY, "proc_read_bytes_per_s": 8e7})
     assert "dataloader_input_stall" not in [m.entry for m in diagnose(fed, kb).matches]
+
+
+# ---- the KB against the feature catalogue (streams/feature_catalogue.py) ------------
+
+NOT_REACHABLE_YET = {
+    "xid_hardware_error": ("gpu_xid_count",),
+    "irq_locality_miss": ("irq_rank_cpu_share",),
+    "gpu_power_thermal_throttling": ("gpu_temp_c", "peer_z.gpu_sm_clock_mhz", "peer_z.gpu_power_w"),
+    "huge_page_coverage_loss": ("peer_z.thp_coverage_frac", "peer_z.page_faults_per_s"),
+}
+
+
+@pytest.mark.parametrize("where, mutate", [
+    ("rules", lambda d: d["rules"]["all"][0].update(feature="cpu_busy_fraction")),
+    ("evidence", lambda d: d.update(evidence=["cpu_busy_frac", "cpu_busy_fraction"])),
+    ("rules", lambda d: d["rules"].update(any=[{"peer_z": "cpu_busy_fraction", "op": ">=", "value": 3}])),
+])
+def test_a_feature_no_builder_emits_is_a_load_error_naming_file_and_feature(tmp_path, where, mutate):
+    doc = _good()
+    mutate(doc)
+    _write(tmp_path, "demo", doc)
+    with pytest.raises(KBError) as err:
+        load_kb(tmp_path)
+    text = str(err.value)
+    assert "demo.yaml" in text and "'cpu_busy_fraction'" in text and where in text, text
+
+
+def test_the_four_entries_waiting_for_features_load_as_not_reachable_yet(kb):
+    assert {n: e.missing for n, e in kb.items() if not e.reachable} == NOT_REACHABLE_YET
+    assert all(e.reachable and not e.missing for n, e in kb.items() if n not in NOT_REACHABLE_YET)
+
+
+def test_rules_that_can_never_hold_must_say_what_they_wait_for(tmp_path):
+    """A peer z of a node-only feature is never computed: an entry resting on it alone must list it."""
+    doc = _good()
+    doc["rules"] = {"all": [{"peer_z": "thp_coverage_frac", "op": "<=", "value": -3}]}
+    _write(tmp_path, "demo", doc)
+    with pytest.raises(KBError, match=r"demo.yaml: rules can never hold.*peer_z.thp_coverage_frac"):
+        load_kb(tmp_path)
+    doc["requires"] = ["peer_z.thp_coverage_frac"]
+    _write(tmp_path, "demo", doc)
+    assert load_kb(tmp_path)["demo"].missing == ("peer_z.thp_coverage_frac",)
+    doc["requires"] = ["peer_z.thp_coverage_frac", "cpu_busy_frac"]     # computed today: a stale wait
+    _write(tmp_path, "demo", doc)
+    with pytest.raises(KBError, match=r"demo.yaml: requires: \['cpu_busy_frac'\] are computed now"):
+        load_kb(tmp_path)
+
+
+def test_kb_list_and_show_say_which_entries_are_not_reachable_yet(capsys):
+    from fleetscope.cli.main import main
+    assert main(["kb", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, missing in NOT_REACHABLE_YET.items():
+        at = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
+        assert lines[at + 1].split() == ["not", "reachable", "yet:", "waits", "for", *(m + "," for m in missing[:-1]),
+                                         missing[-1]]
+    assert sum("not reachable yet" in line for line in lines) == len(NOT_REACHABLE_YET)
+    assert main(["kb", "show", "irq_locality_miss"]) == 0
+    assert "not reachable yet: the pipeline computes no irq_rank_cpu_share" in capsys.readouterr().out

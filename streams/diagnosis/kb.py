@@ -19,6 +19,15 @@ A file holds (every field is checked on load; an error names file and field):
       risk: low | medium | high
       auto: false                      # may it run without an operator
       requires: [numactl]              # tools that must exist on the host
+    requires: [irq_rank_cpu_share, peer_z.thp_coverage_frac]   # optional: features the entry waits for
+
+Every feature named in `rules` and `evidence` must be one that a builder emits
+(streams/feature_catalogue.py), and a `peer_z` condition needs a feature of the
+rank's own vector (node-only features get no peer z). An entry whose rules can
+never hold with what the pipeline computes loads only if it lists the missing
+inputs under `requires:` (a feature, or `peer_z.<feature>`); it is then "not
+reachable yet" (``Entry.missing``, shown by `fleetscope kb list`). Anything
+else is a load error naming the file and the feature.
 
 A condition reads the window's feature value (`feature`) or its peer z-score
 (`peer_z`); `abs: true` compares the magnitude. A masked (absent) input makes
@@ -38,8 +47,9 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from fleetscope.streams.diagnosis.fingerprint import pattern_vector
 from fleetscope.resources import package_dir
+from fleetscope.streams.diagnosis.fingerprint import pattern_vector
+from fleetscope.streams.feature_catalogue import ALL_FEATURES, RANK_FEATURES
 
 KB_DIR = package_dir("fleetscope.kb")
 UNMATCHED = "unmatched"
@@ -117,6 +127,11 @@ class Entry:
     evidence: tuple[str, ...]
     remediation: Remediation
     path: Path = field(default=Path(), compare=False)
+    missing: tuple[str, ...] = ()   # inputs its rules wait for (`requires:`): empty when it can match today
+
+    @property
+    def reachable(self) -> bool:
+        return not self.missing
 
 
 def load_kb(kb_dir: Path | str = KB_DIR) -> dict[str, Entry]:
@@ -151,7 +166,7 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     where = str(path)
     if not isinstance(doc, dict):
         raise KBError(f"{where}: the file must hold a mapping, got {type(doc).__name__}")
-    known = {"name", "description", "fingerprint", "rules", "evidence", "remediation"}
+    known = {"name", "description", "fingerprint", "rules", "evidence", "remediation", "requires"}
     _no_unknown(doc, known, where)
     name = _required(doc, "name", str, where)
     if not NAME_RE.match(name) or name == UNMATCHED:
@@ -174,7 +189,41 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     if not evidence or not all(isinstance(e, str) and e for e in evidence):
         raise KBError(f"{where}: evidence must be a non-empty list of feature names")
     remediation = _remediation(_required(doc, "remediation", dict, where), f"{where}: remediation")
-    return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path)
+    requires = doc.get("requires", [])
+    if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
+        raise KBError(f"{where}: requires: must be a list of feature names (or peer_z.<feature>)")
+    missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where)
+    return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path, missing)
+
+
+def _need(c: Condition) -> str:
+    return c.name if c.source == "feature" else f"peer_z.{c.name}"
+
+
+def _computed(need: str) -> bool:
+    """Does the running pipeline provide this input? (a feature value, or a peer z of a rank feature)"""
+    return need[len("peer_z."):] in RANK_FEATURES if need.startswith("peer_z.") else need in ALL_FEATURES
+
+
+def _missing_inputs(all_rules, any_rules, evidence, requires: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """The inputs an entry's rules wait for; KBError for a name no builder emits that `requires` does not list."""
+    waited = {r[len("peer_z."):] if r.startswith("peer_z.") else r for r in requires}
+    named = [(f"rules: {_need(c)}", c.name) for c in all_rules + any_rules] + [("evidence", e) for e in evidence]
+    for place, feature in named:
+        if feature not in ALL_FEATURES and feature not in waited:
+            raise KBError(f"{where}: {place}: feature {feature!r} is emitted by no feature builder "
+                          f"(streams/feature_catalogue.py); fix the name, or list it under `requires:`")
+    missing = [_need(c) for c in all_rules if not _computed(_need(c))]
+    if any_rules and not any(_computed(_need(c)) for c in any_rules):
+        missing += [_need(c) for c in any_rules]
+    unlisted = [m for m in missing if m not in requires]
+    if unlisted:
+        raise KBError(f"{where}: rules can never hold: the pipeline computes no {unlisted} "
+                      f"(peer z exists for rank features only); list them under `requires:`")
+    stale = [r for r in requires if _computed(r)]
+    if stale:
+        raise KBError(f"{where}: requires: {stale} are computed now; remove them from `requires:`")
+    return tuple(dict.fromkeys(missing))
 
 
 def _conditions(items: Any, where: str) -> tuple[Condition, ...]:

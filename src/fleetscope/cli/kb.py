@@ -83,6 +83,8 @@ def cmd_kb_list(args, cfg) -> int:
     for name, e in sorted(_kb(args).items()):
         r = e.remediation
         print(f"{name:34} risk={r.risk:6} auto={'yes' if r.auto else 'no ':3}  {e.description.split('.')[0]}.")
+        if not e.reachable:
+            print(f"{'':34} not reachable yet: waits for {', '.join(e.missing)}")
     return 0
 
 
@@ -101,6 +103,8 @@ def cmd_kb_show(args, cfg) -> int:
     if e.any_rules:
         print("       any of: " + "; ".join(c.describe() for c in e.any_rules))
     print(f"evidence: {', '.join(e.evidence)}")
+    if not e.reachable:
+        print(f"not reachable yet: the pipeline computes no {', '.join(e.missing)}")
     action = f"write {r.write_value!r} to {r.write_path}" if r.kind == "write" else " ".join(r.argv)
     print(f"remediation: {action}\n  risk {r.risk}, auto {'yes' if r.auto else 'no'}"
           + (f", requires {', '.join(r.requires)}" if r.requires else ""))

@@ -1,0 +1,50 @@
+"""Every feature name a builder of streams/features.py can emit, and on which windows.
+
+One place, derived from the builders' own name tables where they have them.
+``rank``: on a rank's own window (the model's vector, so peer z-scores exist).
+``node``: on a node's window only (host counters, device-level NVML), joined
+into a flagged rank's vector as evidence: a KB rule can read the value, but no
+peer z-score of it is ever computed. tests/test_feature_catalogue.py checks
+this table against what the builders emit on real windows; the KB loader
+(diagnosis/kb.py) checks every entry against it.
+"""
+from __future__ import annotations
+
+from fleetscope.streams.host_features import CPU_STATES
+from fleetscope.streams.proc_features import GAUGES, RATES
+from fleetscope.streams.trace_features import COLLECTIVES, TORCH_CLASSES
+
+_CPU = ("cpu_busy_frac", "cpu_busy_max_core_frac",
+        *(f"cpu_{s}_frac" for s in CPU_STATES if s not in ("nice", "idle")))
+_MEMORY = ("mem_used_frac", "thp_coverage_frac", "hugepages_used_frac", "numa_miss_ratio", "page_faults_per_s",
+           "major_faults_per_s")
+_IO = ("irq_per_s", "net_rx_bytes_per_s", "net_tx_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s",
+       "context_switches_per_s")
+_AGENT = ("agent_dropped_events", "agent_delivery_errors", "agent_spooled")
+
+BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "host_features": {"rank": (), "node": _CPU + _MEMORY + _IO + _AGENT},
+    "gpu_features": {"rank": ("gpu_energy_j", "gpu_proc_sm_util", "gpu_proc_mem_bytes"),
+                     "node": ("gpu_energy_j", "gpu_util", "gpu_power_w", "gpu_ofu", "gpu_tensor_util",
+                              "gpu_throttled")},
+    "kernel_features": {"rank": ("offcpu_threads", "runq_wait_threads", "ctx_switches_per_s",
+                                 "tcp_retransmits_per_s", "irq_traced_per_s"), "node": ()},
+    "proc_features": {"rank": tuple(name for _, name, _ in RATES) + tuple(name for _, name in GAUGES), "node": ()},
+    "cuda_features": {"rank": ("cuda_launch_per_s", "cuda_sync_frac", "cuda_memcpy_frac", "cuda_memcpy_bytes_per_s",
+                               "cuda_memcpy_htod_bytes_per_s", "cuda_memcpy_lat_p50_ns", "cuda_memcpy_lat_p99_ns",
+                               "cuda_mem_live_bytes", "cuda_malloc_free_balance_bytes", "cuda_errors_per_s"),
+                      "node": ()},
+    "nccl_features": {"rank": ("nccl_calls_per_s", "nccl_bytes_per_s", "nccl_time_frac", "nccl_algbw_gbps",
+                               "nccl_lat_p50_ns", "nccl_lat_p99_ns",
+                               *(f"nccl_{op.lower()}_lat_p99_ns" for op in COLLECTIVES),
+                               *(f"nccl_{op.lower()}_algbw_gbps" for op in COLLECTIVES)), "node": ()},
+    "python_features": {"rank": ("python_gc_frac", "python_gc_per_s", "python_calls_per_s", "python_top_func_share"),
+                        "node": ()},
+    "torch_features": {"rank": ("torch_ops_per_s", *(f"torch_{cls}_ops_per_s" for cls, _ in TORCH_CLASSES),
+                                "torch_other_ops_per_s", "torch_op_time_frac", "torch_comm_wait_frac",
+                                "torch_comm_waits_per_s", "torch_work_wait_frac"), "node": ()},
+}
+
+RANK_FEATURES = frozenset(n for b in BUILDERS.values() for n in b["rank"])
+NODE_FEATURES = frozenset(n for b in BUILDERS.values() for n in b["node"])
+ALL_FEATURES = RANK_FEATURES | NODE_FEATURES
