@@ -51,8 +51,9 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
     async def consume(stream):
         async for event in stream.noack().events():
             msg = event.message
-            ref = MessageRef(msg.topic, msg.partition, msg.offset, ack=event.ack)
-            processor.handle(event.value, event.headers, ref)
+            ref = MessageRef(msg.topic, msg.partition, msg.offset, ack=event.ack,
+                             timestamp_ms=int((msg.timestamp or 0) * 1000))
+            processor.handle(event.value, event.headers, ref, key=msg.key)
             await flusher.maybe_flush()
 
     @app.timer(interval=0.1)

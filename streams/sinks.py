@@ -17,11 +17,12 @@ from fleetscope import wire
 from fleetscope.schema import SOURCE_COLUMNS
 from fleetscope.wire import Batch, StrColumn
 from fleetscope.streams.features import FEATURE_VERSION, window_features
+from fleetscope.streams.store_writes import Insert, StoreUnavailable, store_answers
 
 log = logging.getLogger(__name__)
 
 RAW_TABLE = {source: "raw_metrics" for source in SOURCE_COLUMNS}
-REPLAY_LOOKBACK_S = 900  # batch ids stored this recently count as "already stored" after a restart
+REPLAY_LOOKBACK_S = 900  # batch ids the store took this recently count as "already stored" after a restart
 
 
 def token(kind: str, ids) -> str:
@@ -44,23 +45,42 @@ class RawSink:
     def _already_stored(self) -> set[str]:
         if self._stored_before is None:  # once per run: what a previous run stored
             res = self.store.query(
-                "SELECT DISTINCT batch_id FROM raw_metrics WHERE ts >= fromUnixTimestamp64Nano({since:Int64})",
+                # by when the store took them, not by event time: a replayed batch may hold old events
+                "SELECT DISTINCT batch_id FROM raw_metrics WHERE ingested_at >= fromUnixTimestamp64Nano({since:Int64})",
                 {"since": time.time_ns() - REPLAY_LOOKBACK_S * 10**9})
             self._stored_before = {r[0] for r in res.rows}
         return self._stored_before
 
-    def write(self, batches: list[Batch]) -> None:
-        if not batches:
-            return
-        stored_before = self._already_stored()
-        by_table: dict[str, list[Batch]] = {}
-        for batch in batches:
-            if batch.batch_id in stored_before:
+    def inserts(self, items: list[tuple[Batch, object, bytes | None]], reject) -> list[Insert]:
+        """One isolating insert per table for these (batch, message, value) items; a batch the store
+        refuses goes to `reject(item, reason)`. Raises StoreUnavailable if the replay check cannot run."""
+        if not items:
+            return []
+        try:
+            stored_before = self._already_stored()
+        except Exception as exc:
+            raise StoreUnavailable(f"reading the batch ids already stored: {exc}") from exc
+        by_table: dict[str, list] = {}
+        for item in items:
+            if item[0].batch_id in stored_before:
                 self.replayed_batches += 1
                 continue
-            by_table.setdefault(RAW_TABLE[batch.source], []).append(batch)
-        for table, group in by_table.items():
-            self.store.insert(table, self._metric_rows(group), dedupe_token=token(table, [b.batch_id for b in group]))
+            by_table.setdefault(RAW_TABLE[item[0].source], []).append(item)
+        return [Insert(table, group, lambda g: self._metric_rows([b for b, _, _ in g]),
+                       lambda g, table=table: token(table, [b.batch_id for b, _, _ in g]), reject)
+                for table, group in by_table.items()]
+
+    def write(self, batches: list[Batch]) -> list[tuple[Batch, str]]:
+        """Store these batches now (benchmarks, tests); returns the batches the store refused, with why."""
+        refused: list[tuple[Batch, str]] = []
+        for ins in self.inserts([(b, None, None) for b in batches], lambda item, why: refused.append((item[0], why))):
+            while not ins.done:  # a refused batch is tried REJECT_AFTER times, then handed to `refused`
+                try:
+                    ins.run(self.store)
+                except StoreUnavailable:
+                    if not store_answers(self.store):
+                        raise
+        return refused
 
     @staticmethod
     def _metric_rows(batches: list[Batch]) -> pa.Table:
@@ -161,29 +181,53 @@ def features_batch(worker_host: str, windows, vectors) -> Batch:
 
 
 class DeadLetters:
-    """Stores and publishes messages that failed decoding or validation, with the reason."""
+    """Messages the worker could not take (undecodable, invalid, out of bounds, refused by the store),
+    with the reason: stored in `dlq` and published to `<prefix>.dlq`.
+
+    Each row's dedupe token names the message by topic, partition, offset, its broker timestamp and a
+    hash of its bytes and reason: the embedded broker restarts offsets at 0 with every run, so
+    topic/partition/offset alone made a second run's dead letter a "duplicate" of the first's.
+    """
 
     def __init__(self, cfg, store, producer=None):
         self.cfg = cfg
         self.store = store
         self.producer = producer
 
-    def write(self, rows: list[tuple[object, bytes | None, str]]) -> None:
-        if not rows:
-            return
+    @staticmethod
+    def identity(ref, value: bytes | None, reason: str) -> str:
+        digest = hashlib.sha1(bytes(value or b"") + b"\0" + reason.encode("utf-8", "replace")).hexdigest()
+        return f"{ref.topic}/{ref.partition}/{ref.offset}/{getattr(ref, 'timestamp_ms', 0)}/{digest}"
+
+    def columns(self, rows: list[tuple[object, bytes | None, str]], batches: dict | None = None) -> dict:
         refs = [r for r, _, _ in rows]
-        table = {
+        known = batches or {}
+        return {
             "ts": np.full(len(rows), time.time_ns(), dtype=np.int64), "topic": [r.topic for r in refs],
             "partition": np.array([r.partition for r in refs], dtype=np.int32),
             "offset": np.array([r.offset for r in refs], dtype=np.int64),
             "reason": [reason for _, _, reason in rows], "source": [r.topic.rsplit(".", 1)[-1] for r in refs],
+            "host": [known[id(r)].host if id(r) in known else "" for r in refs],
+            "batch_id": [known[id(r)].batch_id if id(r) in known else "" for r in refs],
             "size": np.array([len(v or b"") for _, v, _ in rows], dtype=np.uint32),
-            "payload_head": [(v or b"")[:64].hex() for _, v, _ in rows],
+            "payload_head": [bytes(v or b"")[:64].hex() for _, v, _ in rows],
         }
-        self.store.insert("dlq", table, dedupe_token=token("dlq", [f"{r.topic}/{r.partition}/{r.offset}" for r in refs]))
-        if self.producer is not None:
-            for ref, value, reason in rows:
-                self.producer.produce(self.cfg.topic("dlq"), value=value, headers=[
-                    ("fs-dlq-reason", reason.encode()), ("fs-dlq-topic", ref.topic.encode()),
-                    ("fs-dlq-partition", str(ref.partition).encode()), ("fs-dlq-offset", str(ref.offset).encode())])
-            _deliver(self.producer)
+
+    def token(self, rows) -> str:
+        return token("dlq", [self.identity(ref, value, reason) for ref, value, reason in rows])
+
+    def publish(self, rows) -> None:
+        if self.producer is None:
+            return
+        for ref, value, reason in rows:
+            self.producer.produce(self.cfg.topic("dlq"), value=value, headers=[
+                ("fs-dlq-reason", reason.encode("utf-8", "replace")), ("fs-dlq-topic", ref.topic.encode()),
+                ("fs-dlq-partition", str(ref.partition).encode()), ("fs-dlq-offset", str(ref.offset).encode())])
+
+    def write(self, rows: list[tuple[object, bytes | None, str]]) -> None:
+        """Store and publish now (tests, tools); the worker goes through its flush jobs instead."""
+        if not rows:
+            return
+        self.store.insert("dlq", self.columns(rows), dedupe_token=self.token(rows))
+        self.publish(rows)
+        _deliver(self.producer)

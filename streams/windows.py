@@ -28,6 +28,7 @@ from fleetscope.wire import Batch
 from fleetscope.streams.series import Interner, SeriesNumbers, split_code
 
 StreamKey = tuple[str, str, str, int]  # tenant, job, host, rank
+MARK_RETRY_S = 1.0  # how often a new key's stored mark is asked for again while the store does not answer
 
 
 class MetricAgg(NamedTuple):
@@ -86,6 +87,8 @@ class WindowStats:
     windows_closed: int = 0
     late_events: int = 0  # arrived after their window closed: counted, dropped
     replayed_events: int = 0  # for windows already stored before a restart
+    mark_lookup_failures: int = 0  # the store did not answer "newest stored window" for a new key
+    evicted_keys: int = 0
 
 
 @dataclass
@@ -93,8 +96,9 @@ class _KeyState:
     id: int
     max_ts: int = -1
     closed_upto: int = -1  # newest window start this process closed
-    stored_upto: int | None = None  # newest window start the store had at first sight
+    stored_upto: int | None = None  # newest window start the store had at first sight; None: not known yet
     last_seen: float = 0.0
+    ask_store_at: float = 0.0  # when to ask for stored_upto again, after the store did not answer
 
 
 class RowLog:
@@ -158,14 +162,45 @@ class WindowAssembler:
         self.log = RowLog()
         self._slots = 0
         self._code_names: dict[int, tuple] = {}  # series code -> its keys in Window._series
+        self._replayed: list[Window] = []  # open windows found already stored once their key's mark was known
 
     def _state(self, key: StreamKey) -> _KeyState:
         state = self.keys.get(key)
         if state is None:
             state = self.keys[key] = _KeyState(self.series.new_key())
-            mark = self.stored_marks(key) if self.stored_marks else None
-            state.stored_upto = -1 if mark is None else int(mark)
+        if state.stored_upto is None:
+            self._ask_stored_mark(key, state)
         return state
+
+    def _ask_stored_mark(self, key: StreamKey, state: _KeyState) -> None:
+        """Learn the key's newest stored window. A store that does not answer (an outage) leaves it
+        unknown, to be asked again: the key's windows still open, and wait to close until it is known."""
+        now = self.clock()
+        if now < state.ask_store_at:
+            return
+        try:
+            mark = self.stored_marks(key) if self.stored_marks else None
+        except Exception:
+            self.stats.mark_lookup_failures += 1
+            state.ask_store_at = now + MARK_RETRY_S
+            return
+        state.stored_upto = -1 if mark is None else int(mark)
+
+    def take_replayed(self) -> list[Window]:
+        """Windows dropped because the store already held them (their messages are done)."""
+        out, self._replayed = self._replayed, []
+        return out
+
+    def evict_idle(self, idle_s: float) -> list[StreamKey]:
+        """Forget keys that sent nothing for idle_s and hold no open window. Their closed windows are
+        stored (or waiting in a flush job); if a key comes back, its stored mark is read again."""
+        now = self.clock()
+        busy = {key for key, _ in self.open}
+        gone = [k for k, st in self.keys.items() if now - st.last_seen >= idle_s and k not in busy]
+        for k in gone:
+            del self.keys[k]
+        self.stats.evicted_keys += len(gone)
+        return gone
 
     def add(self, batch: Batch, message_ref) -> list[Window]:
         """Take a decoded metric batch in. Returns the windows it touched."""
@@ -193,7 +228,7 @@ class WindowAssembler:
                 state.max_ts = max_ts
             start = w * self.window_ns
             slot = -1
-            if start <= state.stored_upto:  # stored before a restart: a replay, not a loss
+            if state.stored_upto is not None and start <= state.stored_upto:  # stored before a restart: a replay
                 self.stats.replayed_events += count
             elif start <= state.closed_upto:
                 self.stats.late_events += count
@@ -285,12 +320,22 @@ class WindowAssembler:
     def pop_closed(self, force: bool = False) -> list[Window]:
         """Windows whose key's watermark passed end + lateness, or idle keys' windows."""
         now = self.clock()
-        closed = []
+        closed, replayed = [], []
         for (key, start), window in list(self.open.items()):
             state = self.keys[key]
             idle = now - state.last_seen >= self.idle_close_s
             if force or idle or window.end_ns <= state.max_ts - self.lateness_ns:
+                if state.stored_upto is None:
+                    self._ask_stored_mark(key, state)
+                    if state.stored_upto is None:  # not known yet whether the store holds it: wait
+                        continue
+                if start <= state.stored_upto:
+                    replayed.append(self.open.pop((key, start)))
+                    self.stats.replayed_events += window.event_count
+                    continue
                 closed.append(self.open.pop((key, start)))
+        self._aggregate(replayed, remove=True)  # drops their rows from the log
+        self._replayed += replayed
         closed.sort(key=lambda w: (w.key, w.start_ns))
         for window in closed:
             state = self.keys[window.key]

@@ -39,7 +39,7 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
     finally:
         if processor.scorer is not None:
             try:  # a restarted worker resumes each job's model from here
-                processor.scorer.checkpoint(force=True)
+                processor.close()
             except Exception:
                 log.exception("final model checkpoint failed; the last periodic one stands")
         endpoint.stop()

@@ -68,6 +68,12 @@ class Config:
     warmup_windows: int = 30
     detect_rule: str = "gmm or peer"  # which detectors decide: gmm, peer, hst, mahalanobis with and/or
     model_checkpoint_s: float = 30.0
+    # Delivery: events more than this far ahead of the worker's clock go to the DLQ (as do those
+    # older than ttl_days); a store outage is logged once per store_error_log_s with a count;
+    # keys and job models idle for idle_evict_s are checkpointed and dropped from memory.
+    max_future_skew_s: float = 300.0
+    store_error_log_s: float = 30.0
+    idle_evict_s: float = 900.0
     # Agent
     host: str = field(default_factory=socket.gethostname)
     sample_interval_s: float = 1.0
@@ -177,6 +183,8 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_DEFAULT_TENANT": "default_tenant", "FLEETSCOPE_JOB_ENV": "job_env",
     "FLEETSCOPE_STEP_HOLD_S": "step_hold_s", "FLEETSCOPE_WARMUP_WINDOWS": "warmup_windows",
     "FLEETSCOPE_DETECT_RULE": "detect_rule", "FLEETSCOPE_MODEL_CHECKPOINT_S": "model_checkpoint_s",
+    "FLEETSCOPE_MAX_FUTURE_SKEW_S": "max_future_skew_s", "FLEETSCOPE_STORE_ERROR_LOG_S": "store_error_log_s",
+    "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s",
     "FLEETSCOPE_TRACE": "trace", "FLEETSCOPE_TRACE_AUTO": "trace_auto", "FLEETSCOPE_TRACE_PIDS": "trace_pids",
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",
