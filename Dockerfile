@@ -1,10 +1,58 @@
-# The image for the agent and the stream workers of the production-shaped stack
-# (docker-compose.yml). The agent needs bcc from Debian, so this is Debian-based.
-FROM python:3.11-slim-bookworm
-RUN apt-get update && apt-get install -y --no-install-recommends python3-bpfcc make && rm -rf /var/lib/apt/lists/*
-WORKDIR /opt/fleetscope
-COPY . .
-RUN python -m venv .venv && .venv/bin/pip install --no-cache-dir -e . \
- && ln -s /usr/lib/python3/dist-packages/bcc "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/bcc"
-ENV PATH=/opt/fleetscope/.venv/bin:$PATH
+# Two images from one file (docker-compose.yml and deploy/kubernetes/ name the targets):
+#   docker build --target agent  -t fleetscope-agent  .   the node agent: Debian's bcc, the core install, root
+#   docker build --target worker -t fleetscope-worker .   stream worker (with its sinks) and `db migrate`: non-root
+# Both install the wheel built in the builder stage (not an editable checkout) with the core dependencies only:
+# no chDB, torch or matplotlib. Against a ClickHouse server the worker needs nothing more; the embedded chDB
+# store is for `fleetscope up` on one machine, not for these images.
+# Debian bookworm because its python3-bpfcc is built for its python3 (3.11); versions pinned to bookworm's.
+
+FROM debian:bookworm-slim AS python-base
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3=3.11.2-1+b1 python3-venv=3.11.2-1+b1 \
+ && rm -rf /var/lib/apt/lists/*
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+FROM python-base AS builder
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src/ src/
+COPY producers/ producers/
+COPY streams/ streams/
+COPY sql/ sql/
+COPY kb/ kb/
+COPY bpf/ bpf/
+RUN python3 -m venv /opt/build \
+ && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM python-base AS agent
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3-bpfcc=0.26.0+ds-1 \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=builder /wheels/ /tmp/wheels/
+# --system-site-packages: bcc's Python bindings come from Debian's dist-packages, not PyPI (PyPI's `bcc` is unrelated)
+RUN python3 -m venv --system-site-packages /opt/fleetscope \
+ && /opt/fleetscope/bin/pip install --no-cache-dir /tmp/wheels/fleetscope-*.whl \
+ && rm -rf /tmp/wheels \
+ && /opt/fleetscope/bin/python -c "import bcc, fleetscope.producers.agent"
+ENV PATH=/opt/fleetscope/bin:$PATH
+# Runs as root on purpose: it loads eBPF programs and reads every process's /proc (Kubernetes grants only the
+# capabilities it needs: deploy/kubernetes/agent-daemonset.yaml). Healthy while its Kafka answers with its credentials.
+HEALTHCHECK --interval=30s --timeout=15s --start-period=20s --retries=3 \
+  CMD ["python3", "-c", "from fleetscope.config import load; from fleetscope.topics import list_topic_names; c = load(); list_topic_names(c, c.kafka)"]
 ENTRYPOINT ["fleetscope"]
+CMD ["agent"]
+
+FROM python-base AS worker
+COPY --from=builder /wheels/ /tmp/wheels/
+RUN python3 -m venv /opt/fleetscope \
+ && /opt/fleetscope/bin/pip install --no-cache-dir /tmp/wheels/fleetscope-*.whl \
+ && rm -rf /tmp/wheels \
+ && useradd --system --uid 10001 --home-dir /var/lib/fleetscope --create-home --shell /usr/sbin/nologin fleetscope
+ENV PATH=/opt/fleetscope/bin:$PATH FLEETSCOPE_DATA_DIR=/var/lib/fleetscope
+USER 10001
+WORKDIR /var/lib/fleetscope
+# Healthy once the worker has opened its store, applied migrations and serves its loopback endpoint (GET /health).
+HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
+  CMD ["python3", "-c", "import sys; from fleetscope.config import load; from fleetscope.store import endpoint_alive; sys.exit(0 if endpoint_alive(load().data_dir) else 1)"]
+ENTRYPOINT ["fleetscope"]
+CMD ["streams"]

@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(sub)
     from fleetscope.cli.demo import register as register_demo
     register_demo(sub)
+    from fleetscope.cli.tenants import register as register_tenants
+    register_tenants(sub)
     add_global_options(p)  # last: every subcommand registered above gets them
     return p
 
