@@ -349,3 +349,38 @@ def test_an_existing_world_readable_store_directory_is_made_private(tmp_path):
     with ChdbStore(tmp_path / "chdb"):
         pass
     assert stat.S_IMODE((tmp_path / "chdb").stat().st_mode) == 0o700
+
+
+# ---- the server backend: no ClickHouse server here, so a recording stand-in client ----
+
+class RecordingClickHouseClient:
+    """Stands in for clickhouse-connect's client (no ClickHouse server on the test machines):
+    records each query and its settings, answers getSetting('readonly') with `profile_readonly`."""
+
+    def __init__(self, profile_readonly: int):
+        self.profile_readonly, self.calls = profile_readonly, []
+
+    def query(self, sql, parameters=None, settings=None):
+        self.calls.append((sql, settings))
+        rows = [(self.profile_readonly,)] if "getSetting('readonly')" in sql else [(1,)]
+        return type("Result", (), {"column_names": ("x",), "result_rows": rows})()
+
+
+def _server_store(profile_readonly: int):
+    from fleetscope.store.clickhouse_store import ClickHouseServerStore
+    store = object.__new__(ClickHouseServerStore)  # skip connecting: there is no server
+    store.database, store.read_timeout_s, store._profile_readonly = "fleetscope", 60, None
+    store._client = RecordingClickHouseClient(profile_readonly)
+    return store
+
+
+def test_server_reads_go_read_only_and_time_bounded():
+    store = _server_store(profile_readonly=0)
+    with pytest.raises(StoreError, match="query refused: file"):
+        store.read_query("SELECT * FROM file('/etc/passwd', 'LineAsString')")
+    assert store._client.calls == []  # refused before the server saw it
+    assert store.read_query("SELECT 1").rows == [(1,)]
+    assert store._client.calls[-1] == ("SELECT 1", {"readonly": 2, "max_execution_time": 60})
+    tenant = _server_store(profile_readonly=1)  # a tenant's user may not send settings at all
+    tenant.read_query("SELECT 1")
+    assert tenant._client.calls[-1] == ("SELECT 1", None)

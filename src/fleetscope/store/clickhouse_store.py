@@ -12,8 +12,10 @@ parameters as HTTP query parameters, never spliced into SQL.
 The query door (read_query) sends readonly=2 with each query: DDL and DML are
 refused by the server, and max_execution_time can still travel with the query
 (readonly=1 would refuse that setting). readonly=2 lets table functions run,
-so read_only.check_read_only refuses them first. Not exercised against a
-server here: there is none on the test machines.
+so read_only.check_read_only refuses them first. A user whose profile is
+already read-only (a tenant's, see tenant_grants.py) may not send settings at
+all, so for it the door sends none and the profile's limits hold. Not
+exercised against a server here: there is none on the test machines.
 """
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ class ClickHouseServerStore(SqlStore):
                  read_timeout_s: float = READ_TIMEOUT_S) -> None:
         super().__init__(database, ttl_days)
         self.read_timeout_s = read_timeout_s
+        self._profile_readonly: int | None = None  # the user's own readonly level, read on first use
         conn = resolve_connection(url)
         self.url = redact(url)
         import clickhouse_connect  # late: only this backend needs it
@@ -148,6 +151,10 @@ class ClickHouseServerStore(SqlStore):
 
     def read_query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
         check_read_only(sql)
+        if self._profile_readonly is None:
+            self._profile_readonly = int(self._query("SELECT toUInt8(getSetting('readonly'))", None, None).rows[0][0])
+        if self._profile_readonly:
+            return self._query(sql, params, None)  # read-only already, and may not change settings
         return self._query(sql, params, {"readonly": 2, "max_execution_time": self.read_timeout_s})
 
     def _query(self, sql: str, params: dict[str, Any] | None, settings: dict | None) -> QueryResult:
