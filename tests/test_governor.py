@@ -1,6 +1,7 @@
 """The overhead governor: its arithmetic, and the real thing keeping a real uprobe inside budget."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -117,7 +118,9 @@ def test_governor_keeps_a_hot_real_uprobe_inside_budget():
     print(f"per call: untraced {untraced:.0f} ns, always on {always_on:.0f} ns, governed {with_governor:.0f} ns; "
           f"toggles {tracer.toggles}, hits {hits}, probe cost {probe_share:.2%} of the loop's CPU")
     assert always_on > 5 * untraced  # the probe really fires and really costs
-    assert tracer.toggles >= 4 and hits > 0  # the governor really cycled a live probe
+    # the governor really cycled a live probe: the first detach, then at least one period attached and detached
+    # (how many periods it sits out depends on the measured cost, which a loaded machine changes)
+    assert tracer.toggles >= 3 and hits > 0
     # the promise: probe hits cost at most the budget (1%) of the traced CPU time; the first,
     # unmeasured period runs at first_duty, so allow twice the budget over a 10 s run
     assert probe_share < 0.02
@@ -164,3 +167,76 @@ def test_a_busy_tracer_defers_its_sample_and_never_blocks_the_agent_tick():
     t.join(5)
     m.sample(0)
     assert (slow.samples, quick.samples, m.stats()["trace_samples_deferred"]) == (1, 2, 1)
+
+
+def test_always_on_families_alone_over_budget_shed_the_most_expensive_and_retry_it():
+    g = OverheadGovernor(budget_frac=0.01, hit_cost_ns=5000, shed_periods=3)
+    g.register("cuda", "memory", ALWAYS)
+    g.register("nccl", "collectives", ALWAYS)
+    g.register("torch", "ops", EXPENSIVE)
+    # CPU 1 s -> budget 10 ms; memory took 4000 hits (20 ms, 2%), collectives 100 hits (0.5 ms)
+    hits = {("cuda", "memory"): 4000, ("nccl", "collectives"): 100, ("torch", "ops"): 0}
+    d = g.update(hits, cpu_s=1.0, period_s=1.0)
+    assert d.shed == (("cuda", "memory"),)
+    assert d.duties[("cuda", "memory")] == 0.0 and d.duties[("nccl", "collectives")] == 1.0
+    # the expensive family gets what the kept always-on family leaves: 10 - 0.5 ms
+    assert g.families[("torch", "ops")].bucket_s == pytest.approx(0.0095)
+    for _ in range(2):  # detached: no new memory hits; it stays shed until its retry
+        hits[("nccl", "collectives")] += 100
+        d = g.update(hits, cpu_s=1.0, period_s=1.0)
+        assert d.shed == (("cuda", "memory"),)
+    hits[("nccl", "collectives")] += 100
+    d = g.update(hits, cpu_s=1.0, period_s=1.0)
+    assert d.shed == () and d.duties[("cuda", "memory")] == 1.0  # retried: attached for a period
+    hits[("cuda", "memory")] += 100  # now cheap (0.05%): it stays
+    d = g.update(hits, cpu_s=1.0, period_s=1.0)
+    assert d.shed == () and d.duties[("cuda", "memory")] == 1.0
+
+
+def test_always_on_families_inside_budget_are_never_shed():
+    g = OverheadGovernor(budget_frac=0.01, hit_cost_ns=5000)
+    g.register("cuda", "memory", ALWAYS)
+    g.register("nccl", "collectives", ALWAYS)
+    for i in range(1, 20):
+        d = g.update({("cuda", "memory"): 900 * i, ("nccl", "collectives"): 900 * i}, cpu_s=1.0, period_s=1.0)
+        assert d.shed == () and set(d.duties.values()) == {1.0}  # 2 x 0.45% fits 1%
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
+def test_a_real_always_on_probe_over_budget_is_shed_and_the_agent_says_so():
+    """A real uprobe on getppid, declared always-on, on a real loop calling it flat out: its hits alone cost
+    many times the 1% budget, so the governor detaches it, and the agent's health events name it."""
+    import time
+
+    from fleetscope.producers.agent import agent_stats_batch
+    from support.batch_rows import rows
+    from support.libc_call_tracer import LibcCallTracer
+
+    class AlwaysOnLibcCall(LibcCallTracer):
+        def families(self):
+            return {"getppid": ALWAYS}
+
+    child = subprocess.Popen([sys.executable, "-c", _LOOP, "120"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    tracer = AlwaysOnLibcCall()
+    cfg = Config(trace_pids=(str(child.pid),), trace_auto=False, trace_budget=0.01, trace_duty_period_s=0.5)
+    manager = TracerManager(cfg, tracers={"libc": tracer}, hit_cost_ns=6000.0)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        manager.start()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        deadline = time.monotonic() + 60
+        while manager.stats().get("trace_always_shed") != 1:
+            assert time.monotonic() < deadline, manager.stats()
+            time.sleep(0.05)
+        stats = manager.stats()
+        got = {r["metric"]: r["value"] for r in rows(agent_stats_batch("node-a", stats, time.time_ns()))}
+    finally:
+        manager.close()
+        child.kill()
+        child.wait()
+    assert tracer.toggles >= 1 and tracer.hits()["getppid"] > 0  # it really fired, and was really detached
+    assert got["agent.trace_always_shed"] == 1.0 and got["agent.trace_shed.libc.getppid"] == 1.0
+    assert got["agent.trace_duty.libc.getppid"] == 0.0

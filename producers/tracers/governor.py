@@ -7,7 +7,15 @@ would slow the job it watches by whole multiples. So each period the governor:
 
 1. measures the traced processes' CPU time over the last period;
 2. charges the always-on families (collectives, memcpy, malloc/free, sync,
-   GC) their hits × the per-hit cost: they stay on regardless;
+   GC) their hits × the per-hit cost. They stay on while they fit the budget
+   together. When they alone exceed it, the most expensive of them are shed
+   (detached) until the rest fit: each family's cost is kept as a share of
+   the traced CPU time, measured while it was attached, and families are
+   shed from the largest share down. A shed family is retried (attached for
+   one period, re-measured) every `shed_periods` periods, so a burst does
+   not switch it off for good; meanwhile it comes back as soon as the
+   others' shares leave room for its own. The decision lists shed families
+   (`shed`), the manager reports them in the agent's stats;
 3. gives what is left of `budget × CPU time` to the expensive families in
    equal shares, as tokens in a bucket per family; each period the bucket is
    charged the hits the family actually took × the per-hit cost. A family
@@ -41,6 +49,8 @@ class FamilyState:
     last_hits: int = 0
     bucket_s: float = 0.0  # probe-cost seconds it may still spend
     on_s: float = 0.0  # attached time in the period being measured (reported, not used for control)
+    cost_frac: float = 0.0  # always-on: its cost per traced CPU second, last measured while attached
+    shed_for: int = 0  # always-on: periods it has been shed (0: attached)
 
 
 @dataclass
@@ -50,11 +60,12 @@ class GovernorDecision:
     always_cost_s: float
     duties: dict = field(default_factory=dict)  # (tracer, family) -> duty in {0} ∪ [min_duty, 1]
     spent_s: float = 0.0  # the probe cost the period just ended actually took
+    shed: tuple = ()  # always-on (tracer, family) keys detached because they alone exceeded the budget
 
 
 class OverheadGovernor:
     def __init__(self, budget_frac: float = 0.01, hit_cost_ns: float = 6000.0, min_duty: float = 0.005,
-                 first_duty: float = 0.02, bucket_periods: float = 2.0):
+                 first_duty: float = 0.02, bucket_periods: float = 2.0, shed_periods: int = 10):
         if not 0 < budget_frac <= 0.5:
             raise ValueError("budget_frac must lie in (0, 0.5]")
         self.budget_frac = budget_frac
@@ -62,6 +73,7 @@ class OverheadGovernor:
         self.min_duty = min_duty
         self.first_duty = first_duty  # an unmeasured expensive family starts here, not at 1
         self.bucket_periods = bucket_periods  # savings cap, in periods' shares
+        self.shed_periods = shed_periods  # a shed always-on family is retried after this many periods
         self.families: dict[tuple[str, str], FamilyState] = {}
 
     def register(self, tracer: str, family: str, kind: str) -> float:
@@ -89,8 +101,9 @@ class OverheadGovernor:
         budget = self.budget_frac * max(cpu_s, 0.0)
         decision = GovernorDecision(cpu_s=cpu_s, budget_s=budget, always_cost_s=always_cost,
                                     spent_s=sum(costs.values()))
+        kept_cost = self._shed_always(costs, cpu_s, decision)
         expensive = [(k, st) for k, st in self.families.items() if st.kind == EXPENSIVE]
-        share = max(budget - always_cost, 0.0) / len(expensive) if expensive else 0.0
+        share = max(budget - kept_cost, 0.0) / len(expensive) if expensive else 0.0
         for key, state in expensive:
             cost = costs[key]
             state.bucket_s = min(state.bucket_s + share - cost, self.bucket_periods * share)
@@ -100,6 +113,30 @@ class OverheadGovernor:
             state.duty = state.active_duty if state.bucket_s >= 0 else 0.0
             decision.duties[key] = state.duty
         return decision
+
+    def _shed_always(self, costs: dict, cpu_s: float, decision: GovernorDecision) -> float:
+        """Duties of the always-on families (1, or 0 when shed); returns the cost the attached ones are
+        expected to take of the coming period (their last measured shares of this period's CPU time)."""
+        always = {k: st for k, st in self.families.items() if st.kind == ALWAYS}
+        for key, st in always.items():
+            if st.shed_for == 0 and cpu_s > 0:  # attached the whole period: a fresh measurement
+                st.cost_frac = costs[key] / cpu_s
+        retried = {k for k, st in always.items() if st.shed_for >= self.shed_periods}  # attached to re-measure
+        kept = {k for k, st in always.items() if st.shed_for == 0}
+        for key in sorted((k for k in always if k not in kept | retried), key=lambda k: always[k].cost_frac):
+            if sum(always[k].cost_frac for k in kept) + always[key].cost_frac <= self.budget_frac:
+                kept.add(key)  # the cheapest shed ones come back first, when the kept ones leave room
+        for key in sorted(kept, key=lambda k: -always[k].cost_frac):  # the most expensive go first
+            if sum(always[k].cost_frac for k in kept) <= self.budget_frac:
+                break
+            kept.discard(key)
+        kept |= retried
+        for key, st in always.items():
+            st.shed_for = 0 if key in kept else st.shed_for + 1
+            st.duty = 1.0 if key in kept else 0.0
+            decision.duties[key] = st.duty
+        decision.shed = tuple(sorted(k for k in always if k not in kept))
+        return sum(always[k].cost_frac for k in kept) * max(cpu_s, 0.0)
 
 
 def process_cpu_seconds(pids) -> float:

@@ -8,7 +8,10 @@
   present) is reported once with its reason and skipped; the others run.
 - A background thread runs the overhead governor's duty cycles: every
   `trace_duty_period_s` it takes new duties, attaches each expensive family
-  at the period's start and detaches it after duty × period.
+  at the period's start and detaches it after duty × period. An always-on
+  family is attached all period, unless the always-on families alone
+  exceed the budget and the governor shed it (duty 0: detached for the
+  period; `trace_always_shed` and `trace_shed.<tracer>.<family>` in stats).
 - Each tracer has its own lock (bcc objects are not thread-safe). The agent's
   tick never waits on one: attaching a process can compile a BPF program for
   seconds (USDT), and a tick blocked behind it stopped the host and process
@@ -142,7 +145,12 @@ class TracerManager:
                 with self.locks[name]:
                     for family, n in tracer.hits().items():
                         hits[(name, family)] = n
+        before = set(self.last_decision.shed) if self.last_decision is not None else set()
         self.last_decision = decision = self.governor.update(hits, self._targets_cpu_s(), period_s)
+        for name, family in sorted(set(decision.shed) - before):
+            log.warning("always-on family %s.%s shed: the always-on probes alone cost more than trace_budget=%g "
+                        "of the traced CPU time; it is retried every %d periods", name, family,
+                        self.cfg.trace_budget, self.governor.shed_periods)
         start = time.monotonic()
         attached_at = {}
         for key, duty in decision.duties.items():
@@ -212,6 +220,10 @@ class TracerManager:
             out["trace_budget_used_frac"] = d.spent_s / d.budget_s if d.budget_s > 0 else 0.0
             for (name, family), duty in d.duties.items():
                 out[f"trace_duty.{name}.{family}"] = duty
+            # always-on families detached because they alone exceeded the budget (see governor.py)
+            out["trace_always_shed"] = len(d.shed)
+            for name, family in d.shed:
+                out[f"trace_shed.{name}.{family}"] = 1
         return out
 
     def close(self) -> None:
