@@ -74,6 +74,20 @@ class Config:
     max_future_skew_s: float = 300.0
     store_error_log_s: float = 30.0
     idle_evict_s: float = 900.0
+    # /metrics (Prometheus text format) of the agent and the worker: loopback unless a deployment names an
+    # address; port -1 turns it off, 0 takes any free port. Result series of a job idle this long are removed.
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 9464
+    metrics_job_expire_s: float = 600.0
+    # `fleetscope alert`: where incidents go (either or both), per-tenant routing labels ("tenant:label=value")
+    # and webhooks ("tenant=url"), when an incident without new culprit windows resolves, and how often a firing
+    # alert is re-posted to Alertmanager (it expires alerts that are not).
+    alert_alertmanager_url: str | None = None
+    alert_webhook_url: str | None = None
+    alert_tenant_labels: tuple[str, ...] = ()
+    alert_tenant_webhooks: tuple[str, ...] = ()
+    alert_resolve_s: float = 300.0
+    alert_resend_s: float = 60.0
     # Agent
     host: str = field(default_factory=socket.gethostname)
     sample_interval_s: float = 1.0
@@ -151,6 +165,10 @@ class Config:
             raise ConfigError(f"proc_interval_s={self.proc_interval_s}: must lie in [0.1, 60] seconds")
         if self.trace_duty_period_s < 0.2 or self.trace_poll_s <= 0:
             raise ConfigError("trace_duty_period_s must be >= 0.2 s and trace_poll_s > 0")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port}: must be -1 (off), 0 (any free port) or a TCP port")
+        if self.alert_resolve_s <= 0 or self.alert_resend_s <= 0 or self.metrics_job_expire_s <= 0:
+            raise ConfigError("alert_resolve_s, alert_resend_s and metrics_job_expire_s must be > 0")
         if self.spool_max_batches < 1 or self.spool_max_bytes < 1 or self.spool_dir_max_bytes < 1:
             raise ConfigError("spool_max_batches, spool_max_bytes and spool_dir_max_bytes must be >= 1")
         if self.kafka_message_max_bytes < 1000 or self.delivery_max_retries < 0 or self.stop_flush_timeout_s < 0:
@@ -185,6 +203,9 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_DETECT_RULE": "detect_rule", "FLEETSCOPE_MODEL_CHECKPOINT_S": "model_checkpoint_s",
     "FLEETSCOPE_MAX_FUTURE_SKEW_S": "max_future_skew_s", "FLEETSCOPE_STORE_ERROR_LOG_S": "store_error_log_s",
     "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s",
+    **{f"FLEETSCOPE_{name.upper()}": name for name in (
+        "metrics_address", "metrics_port", "metrics_job_expire_s", "alert_alertmanager_url", "alert_webhook_url",
+        "alert_tenant_labels", "alert_tenant_webhooks", "alert_resolve_s", "alert_resend_s")},
     "FLEETSCOPE_TRACE": "trace", "FLEETSCOPE_TRACE_AUTO": "trace_auto", "FLEETSCOPE_TRACE_PIDS": "trace_pids",
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",

@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_demo(sub)
     from fleetscope.cli.tenants import register as register_tenants
     register_tenants(sub)
+    from fleetscope.cli.alert import register as register_alert
+    register_alert(sub)
     add_global_options(p)  # last: every subcommand registered above gets them
     return p
 
