@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from fleetscope.schema import validate
+from fleetscope.schema import NODE_TENANT, validate
 from fleetscope.wire import Batch, WireError, decode
 from fleetscope.streams.admission import UNCHECKED_KEY, AdmissionError, TimeBounds, check_key, check_strings
 from fleetscope.streams.outage_log import OutageLog
@@ -262,8 +262,9 @@ class StreamProcessor:
         return all(j.stored for j in jobs)
 
     def _compute(self, job: FlushJob) -> None:
+        jobs = {w.key[:2] for w in job.windows if w.key[0] != NODE_TENANT}  # node windows have no model
         if self.scorer is not None:
-            for tenant, name in {w.key[:2] for w in job.windows}:
+            for tenant, name in jobs:
                 try:  # restore models first: a failure here leaves no model half-fed
                     self.scorer.model(tenant, name)
                 except Exception as exc:
@@ -273,7 +274,7 @@ class StreamProcessor:
         if self.scorer is not None and job.windows:
             self.scorer.write(job.windows, vectors)
             now = self.clock()
-            for key in {w.key[:2] for w in job.windows}:
+            for key in jobs:
                 self._job_scored_at[key] = now
         if self.scorer is not None and not job.earlier:  # only while nothing waits for the store (see below)
             self._evict_idle_models()
