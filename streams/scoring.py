@@ -6,9 +6,12 @@ Runs on the flush thread, after the step's feature rows are stored:
   network) as evidence for diagnosis;
 - one JobModel per (tenant, job), restored from `model_state` the first time
   this worker sees the job and checkpointed every `checkpoint_s`;
-- every (rank, window) goes to `scores` and `<prefix>.scores`; flagged ones to
-  `anomalies` and `<prefix>.anomalies` (JSON, for alerting), and through the
-  knowledge base to `diagnoses` and `<prefix>.diagnoses`.
+- every flagged rank-window gets a role (model/roles.py): `culprit`, or
+  `waiting` for a peer that only waits on a culprit in collectives;
+- every (rank, window) goes to `scores` and `<prefix>.scores`, with its role;
+  flagged ones to `anomalies`; all but waiting ones to `<prefix>.anomalies`
+  (JSON, for alerting) and through the knowledge base to `diagnoses` and
+  `<prefix>.diagnoses`.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from fleetscope.schema import NODE_TENANT
 from fleetscope.wire import Batch, StrColumn
 from fleetscope.streams.model import JobModel, ModelConfig
 from fleetscope.streams.model.ensemble import DETECTORS, Rule
+from fleetscope.streams.model.roles import WAITING, assign_roles
 from fleetscope.streams.sinks import token
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,8 @@ class ScoringStats:
     checkpoints: int = 0
     node_join_misses: int = 0  # anomalies diagnosed without their host's node features
     features_admitted: int = 0  # late features that joined a job's score (FeatureAdmission)
+    waiting: int = 0  # flagged rank-windows labelled waiting: stored, not alerted
+    promoted: int = 0  # unflagged ranks every flagged peer waited for, flagged as the culprit
 
 
 class Scorer:
@@ -131,13 +137,19 @@ class Scorer:
             results = model.process_window(start, rows)
             self.stats.features_admitted += model.stats["features_admitted"] - admitted
             self.stats.steps += 1
-            for (w, v), s in zip(members, results):
-                scored.append((w, s))
+            step = assign_roles([w.key[3] for w, _ in members], [v for _, v in members],
+                                [s.is_anomaly for s in results])
+            for i in step.promoted:
+                results[i].is_anomaly = True
+                results[i].detectors.append("wait")
+            self.stats.promoted += len(step.promoted)
+            for (w, v), s, role in zip(members, results, step.roles):
+                scored.append((w, s, role))
                 if s.is_anomaly:
                     node = self.node.get((w.key[2], start))
                     if node is None:
                         self.stats.node_join_misses += 1
-                    flagged.append((w, s, {**(node or {}), **v}))
+                    flagged.append((w, s, {**(node or {}), **v}, role, step.culprit_ranks))
         self.stats.scored += len(scored)
         self.stats.anomalies += len(flagged)
         now = time.time_ns()
@@ -148,20 +160,22 @@ class Scorer:
 
     def _store_scores(self, scored, now: int) -> None:
         n = len(scored)
-        rows = {"tenant": [w.key[0] for w, _ in scored], "job": [w.key[1] for w, _ in scored],
-                "host": [w.key[2] for w, _ in scored], "rank": np.array([w.key[3] for w, _ in scored], dtype=np.int32),
-                "window_start": np.array([w.start_ns for w, _ in scored], dtype=np.int64),
-                "score": np.array([s.score for _, s in scored], dtype=np.float64),
-                "threshold": np.array([np.nan if s.threshold is None else s.threshold for _, s in scored]),
-                "is_anomaly": np.array([s.is_anomaly for _, s in scored], dtype=np.uint8),
-                "detectors": [list(s.detectors) for _, s in scored],
-                "warm": np.array([s.warm for _, s in scored], dtype=np.uint8),
+        rows = {"tenant": [w.key[0] for w, _, _ in scored], "job": [w.key[1] for w, _, _ in scored],
+                "host": [w.key[2] for w, _, _ in scored],
+                "rank": np.array([w.key[3] for w, _, _ in scored], dtype=np.int32),
+                "window_start": np.array([w.start_ns for w, _, _ in scored], dtype=np.int64),
+                "score": np.array([s.score for _, s, _ in scored], dtype=np.float64),
+                "threshold": np.array([np.nan if s.threshold is None else s.threshold for _, s, _ in scored]),
+                "is_anomaly": np.array([s.is_anomaly for _, s, _ in scored], dtype=np.uint8),
+                "role": [role for _, _, role in scored],
+                "detectors": [list(s.detectors) for _, s, _ in scored],
+                "warm": np.array([s.warm for _, s, _ in scored], dtype=np.uint8),
                 "emitted_at": np.full(n, now, dtype=np.int64)}
-        ids = [f"{w.key}@{w.start_ns}" for w, _ in scored]
+        ids = [f"{w.key}@{w.start_ns}" for w, _, _ in scored]
         self.store.insert("scores", rows, dedupe_token=token("scores", ids))
         if self.producer is not None:
             by_job: dict[tuple[str, str], list[int]] = {}
-            for i, (w, _) in enumerate(scored):
+            for i, (w, _, _) in enumerate(scored):
                 by_job.setdefault(w.key[:2], []).append(i)
             for (tenant, job), idx in by_job.items():
                 batch = scores_batch(self.cfg.host, [scored[i] for i in idx])
@@ -169,18 +183,22 @@ class Scorer:
                                       value=wire.encode(batch), headers=batch.kafka_headers())
 
     def _store_anomalies(self, flagged, now: int) -> None:
-        anomalies = [anomaly_record(w, s, vector) for w, s, vector in flagged]
+        anomalies = [anomaly_record(w, s, vector, role, culprits) for w, s, vector, role, culprits in flagged]
         rows = {"tenant": [a["tenant"] for a in anomalies], "job": [a["job"] for a in anomalies],
                 "host": [a["host"] for a in anomalies], "rank": np.array([a["rank"] for a in anomalies], dtype=np.int32),
                 "window_start": np.array([a["window_start_ns"] for a in anomalies], dtype=np.int64),
                 "score": np.array([a["score"] for a in anomalies]),
                 "threshold": np.array([a["threshold"] for a in anomalies]),
-                "detectors": [a["detectors"] for a in anomalies], "contributions": [a["contributions"] for a in anomalies],
+                "detectors": [a["detectors"] for a in anomalies], "role": [a["role"] for a in anomalies],
+                "contributions": [a["contributions"] for a in anomalies],
                 "peer_z": [a["peer_z"] for a in anomalies], "feature": [a["features"] for a in anomalies],
                 "emitted_at": np.full(len(anomalies), now, dtype=np.int64)}
         ids = [f"{a['tenant']}/{a['job']}/{a['host']}/{a['rank']}@{a['window_start_ns']}" for a in anomalies]
         self.store.insert("anomalies", rows, dedupe_token=token("anomalies", ids))
-        out = self.diagnoser.handle(anomalies, emitted_at_ns=now)
+        # a waiting rank is a symptom of its culprit: stored with its role, never alerted or diagnosed
+        alerts = [a for a in anomalies if a["role"] != WAITING]
+        self.stats.waiting += len(anomalies) - len(alerts)
+        out = self.diagnoser.handle(alerts, emitted_at_ns=now)
         self.stats.diagnoses += len(out.diagnoses)
         self.stats.unmatched += out.unmatched
         if out.rejected:
@@ -188,7 +206,7 @@ class Scorer:
         if out.diagnoses:
             self.store.insert("diagnoses", out.columns, dedupe_token=token("diagnoses", ids))
         if self.producer is not None:
-            for a in anomalies:
+            for a in alerts:
                 self.producer.produce(self.cfg.topic("anomalies"), key=f"{a['tenant']}/{a['job']}".encode(),
                                       value=json.dumps(a).encode(), headers=[("fs-schema", b"json/1")])
             for m in out.messages:
@@ -196,10 +214,11 @@ class Scorer:
                                       value=json.dumps(m, default=float).encode(), headers=[("fs-schema", b"json/1")])
 
 
-def anomaly_record(w, s, vector: dict) -> dict:
+def anomaly_record(w, s, vector: dict, role: str = "", culprits=()) -> dict:
     """A flagged window as streams.diagnosis.Anomaly's fields (plain JSON types)."""
     return {"tenant": w.key[0], "job": w.key[1], "host": w.key[2], "rank": int(w.key[3]),
-            "window_start_ns": int(w.start_ns), "score": float(s.score),
+            "window_start_ns": int(w.start_ns), "role": role, "culprit_ranks": [int(r) for r in culprits],
+            "score": float(s.score),
             "threshold": float(s.threshold) if s.threshold is not None else float("nan"),
             "detectors": list(s.detectors), "contributions": {k: float(v) for k, v in s.contributions.items()},
             "peer_z": {k: float(v) for k, v in s.peer_z.items()},
@@ -207,11 +226,14 @@ def anomaly_record(w, s, vector: dict) -> dict:
 
 
 def scores_batch(worker_host: str, scored) -> Batch:
-    cols = {"window_start_ns": np.array([w.start_ns for w, _ in scored], dtype="<i8"),
-            "tenant": StrColumn.of([w.key[0] for w, _ in scored]), "job": StrColumn.of([w.key[1] for w, _ in scored]),
-            "host": StrColumn.of([w.key[2] for w, _ in scored]),
-            "rank": np.array([w.key[3] for w, _ in scored], dtype="<i4"),
-            "score": np.array([s.score for _, s in scored], dtype="<f8"),
-            "threshold": np.array([np.nan if s.threshold is None else s.threshold for _, s in scored], dtype="<f8"),
-            "is_anomaly": np.array([s.is_anomaly for _, s in scored], dtype="<u1")}
+    cols = {"window_start_ns": np.array([w.start_ns for w, _, _ in scored], dtype="<i8"),
+            "tenant": StrColumn.of([w.key[0] for w, _, _ in scored]),
+            "job": StrColumn.of([w.key[1] for w, _, _ in scored]),
+            "host": StrColumn.of([w.key[2] for w, _, _ in scored]),
+            "rank": np.array([w.key[3] for w, _, _ in scored], dtype="<i4"),
+            "score": np.array([s.score for _, s, _ in scored], dtype="<f8"),
+            "threshold": np.array([np.nan if s.threshold is None else s.threshold for _, s, _ in scored],
+                                  dtype="<f8"),
+            "is_anomaly": np.array([s.is_anomaly for _, s, _ in scored], dtype="<u1"),
+            "role": StrColumn.of([role for _, _, role in scored])}
     return Batch("scores", worker_host, cols)

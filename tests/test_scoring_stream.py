@@ -16,6 +16,7 @@ latency down with it), while its peers wait a little longer (NCCL share 0.33).
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 SEC = 10**9
 TICK = SEC // 2
-T0 = 1_800_000_000 * SEC
+# an hour-aligned start a day ago: inside the store's TTL and the worker's future-skew bound (a fixed
+# date in 2027 started failing once the machine's clock came within a month of it)
+T0 = (time.time_ns() // SEC // 3600 - 24) * 3600 * SEC
 RANKS = 6
 STRAGGLER = 4
 WARMUP = 10
@@ -71,6 +74,28 @@ def host_batch(host: str, ts: int, rng) -> Batch:
     return Batch("host", host, cols, created_ns=ts)
 
 
+def gloo_batches(tick: int, rng) -> list[Batch]:
+    """A CPU job's tick: gloo collective waits and torch ops per rank (the torch tracer's rows), host per
+    node. From ONSET rank STRAGGLER computes longer (op time share 0.85) and, arriving last, hardly waits
+    in the collectives (wait share 0.05); its peers wait longer (0.45 -> 0.55)."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    out = []
+    for r in range(RANKS):
+        noise = 1 + 0.03 * rng.standard_normal(3)
+        straggling = r == STRAGGLER and window >= ONSET
+        wait = 0.05 if straggling else (0.55 if window >= ONSET else 0.45)
+        op_frac = 0.85 if straggling else 0.45
+        out.append(rank_batch("torch", r, ts, [
+            ("torch.comm_wait_ns", "recv", wait * TICK * noise[0], TICK),
+            ("torch.comm_wait_calls", "recv", 40, TICK),
+            ("torch.comm_wait_ns", "work", wait * TICK * noise[1], TICK),
+            ("torch.ops", "aten::addmm", 300, TICK),
+            ("torch.op_ns", "aten::addmm", op_frac * TICK * noise[2], TICK)]))
+    out += [host_batch(h, ts, rng) for h in ("node-a", "node-b")]
+    return out
+
+
 def tick_batches(tick: int, rng) -> list[Batch]:
     """Every batch of one 0.5 s tick: cuda + nccl per rank, host per node."""
     window = tick // 2
@@ -95,15 +120,15 @@ def tick_batches(tick: int, rng) -> list[Batch]:
     return out
 
 
-def processor(store, tmp_path, clock) -> StreamProcessor:
+def processor(store, tmp_path, clock, producer=None, **settings) -> StreamProcessor:
     cfg = Config(data_dir=tmp_path, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=30,
-                 warmup_windows=WARMUP, model_checkpoint_s=0)
-    return StreamProcessor(cfg, store, producer=None, clock=clock)
+                 warmup_windows=WARMUP, model_checkpoint_s=0, **settings)
+    return StreamProcessor(cfg, store, producer=producer, clock=clock)
 
 
-def run(proc, ticks, rng, offset: list[int]) -> None:
+def run(proc, ticks, rng, offset: list[int], batches=tick_batches) -> None:
     for tick in ticks:
-        for batch in tick_batches(tick, rng):
+        for batch in batches(tick, rng):
             proc.handle(encode(batch), None, MessageRef("fleetscope.raw.x", 0, offset[0]))
             offset[0] += 1
         proc.flush()
@@ -184,3 +209,78 @@ def test_a_straggler_is_scored_flagged_diagnosed_and_the_model_survives_a_restar
     assert all(warm == 1 for _, _, warm, _ in new), new      # no fresh warm-up
     assert all(a == 1 for r, _, _, a in new if r == STRAGGLER), new
     assert sum(a for r, _, _, a in new if r != STRAGGLER) <= 1, new
+
+
+def roles_of(store) -> dict[tuple[int, int], tuple[int, str]]:
+    rows = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), is_anomaly, role FROM scores FINAL")
+    return {(r, window_of(ms)): (a, role) for r, ms, a, role in rows}
+
+
+def test_the_straggler_is_the_culprit_and_its_peers_only_wait_on_the_alert_topic(store, tmp_path, broker):
+    """The NCCL job above, now publishing to the real (embedded) broker: the rank that waits least in
+    NCCL is the culprit; peers flagged beside it are labelled waiting in scores and anomalies, and
+    neither reach <prefix>.anomalies nor get a diagnosis; every diagnosis names the culprit rank."""
+    import json
+    import uuid
+
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from fleetscope.topics import all_topics, ensure_topics
+
+    prefix = f"r{uuid.uuid4().hex[:8]}"
+    cfg_kw = {"topic_prefix": prefix, "partitions": 1}
+    ensure_topics(broker.bootstrap, all_topics(Config(**cfg_kw)), 1)
+    producer = Producer({"bootstrap.servers": broker.bootstrap})
+    proc = processor(store, tmp_path, FakeClock(), producer=producer, **cfg_kw)
+    run(proc, range(2 * 40), np.random.default_rng(5), [0])
+
+    roles = roles_of(store)
+    flagged = {k: role for k, (a, role) in roles.items() if a}
+    assert all(role == "" for a, role in roles.values() if not a)          # unflagged: no role
+    straggler = [w for (r, w), role in flagged.items() if r == STRAGGLER and w >= ONSET]
+    assert len(straggler) >= 0.9 * (39 - ONSET)
+    assert all(flagged[(STRAGGLER, w)] == "culprit" for w in straggler), flagged
+    peers_after = {k: role for k, role in flagged.items() if k[0] != STRAGGLER and k[1] >= ONSET}
+    # the onset's job-wide step flags some peers (see the test above): they wait on rank 4
+    assert peers_after and set(peers_after.values()) == {"waiting"}, peers_after
+    stored = {(r, window_of(ms)): role for r, ms, role in q(
+        store, "SELECT rank, toUnixTimestamp64Milli(window_start), role FROM anomalies FINAL")}
+    assert stored == flagged                                                # anomalies carry the same roles
+    assert proc.snapshot()["model_waiting"] == len([1 for role in flagged.values() if role == "waiting"])
+
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"{prefix}-read",
+                         "enable.auto.commit": False})
+    consumer.assign([TopicPartition(f"{prefix}.anomalies", 0, 0), TopicPartition(f"{prefix}.diagnoses", 0, 0)])
+    alerts = {k: role for k, role in flagged.items() if role != "waiting"}
+    got: dict[str, list[dict]] = {"anomalies": [], "diagnoses": []}
+    try:
+        for _ in range(60):
+            for m in consumer.consume(100, 0.5):
+                if not m.error():
+                    got[m.topic().rsplit(".", 1)[1]].append(json.loads(m.value()))
+            if len(got["anomalies"]) >= len(alerts) and len(got["diagnoses"]) >= len(alerts):
+                break
+    finally:
+        consumer.close()
+    published = {(a["rank"], (a["window_start_ns"] - T0) // SEC): a["role"] for a in got["anomalies"]}
+    assert published == alerts                                 # every alert, and no waiting rank
+    diagnosed = {(d["rank"], (d["window_start_ns"] - T0) // SEC) for d in got["diagnoses"]}
+    assert diagnosed == set(alerts)
+    assert all(d["culprit_ranks"] == [STRAGGLER] for d in got["diagnoses"]
+               if (d["window_start_ns"] - T0) // SEC >= ONSET), got["diagnoses"]
+    n_diag = q(store, "SELECT uniqExact(rank, window_start) FROM diagnoses FINAL")[0][0]
+    assert n_diag == len(alerts)
+
+
+def test_in_a_gloo_job_the_rank_that_waits_least_is_the_culprit(store, tmp_path):
+    """A CPU (gloo) job has no NCCL share: the torch tracer's collective waits decide. Rows are the torch
+    tracer's (metric names and devices as producers/tracers/torch_ops.py sends them), written here."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(7), [0], batches=gloo_batches)
+    roles = roles_of(store)
+    straggler = [w for (r, w), (a, _) in roles.items() if r == STRAGGLER and w >= ONSET and a]
+    assert len(straggler) >= 0.9 * (39 - ONSET), roles
+    assert all(roles[(STRAGGLER, w)][1] == "culprit" for w in straggler)
+    others = {k: role for k, (a, role) in roles.items() if a and k[0] != STRAGGLER and k[1] >= ONSET}
+    # the peers' waits step up at the onset and the model flags them too: all labelled waiting
+    assert others and set(others.values()) == {"waiting"}, others

@@ -18,6 +18,8 @@ class Anomaly:
     contributions: dict[str, float] = field(default_factory=dict)  # feature -> NLL contribution (top-k; > 0 = more anomalous)
     peer_z: dict[str, float] = field(default_factory=dict)    # feature -> signed robust z vs the job's median rank
     features: dict[str, float] = field(default_factory=dict)  # the window's vector; absent = masked
+    role: str = ""                                            # culprit | waiting | node | job (model/roles.py)
+    culprit_ranks: list[int] = field(default_factory=list)    # the job step's culprits, by rank
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Anomaly":

@@ -16,6 +16,7 @@ def diagnosis_message(d: Diagnosis) -> dict:
     return {
         "tenant": a.tenant, "job": a.job, "host": a.host, "rank": int(a.rank),
         "window_start_ns": int(a.window_start_ns), "score": float(a.score), "threshold": float(a.threshold),
+        "role": a.role, "culprit_ranks": [int(r) for r in a.culprit_ranks],
         "detectors": list(a.detectors), "fingerprint": fp.as_dict(), "fingerprint_unsigned": sorted(fp.unsigned),
         "top_features": [{"feature": f.feature, "subsystem": f.subsystem, "weight": f.weight, "sign": f.sign}
                          for f in d.attribution.top],

@@ -1,0 +1,94 @@
+"""Who is to blame in a job step: a role for every flagged rank-window.
+
+In a synchronous job one slow rank makes every peer wait for it in the next
+collective, so the model flags the culprit and its waiting peers alike.
+Collective durations do not tell them apart (synchronisation evens them out);
+how long each rank *waited* does: the rank that arrives last waits least.
+
+The wait share a job reports today is ``nccl_time_frac`` (NCCL jobs: time
+inside NCCL calls) or, without NCCL, ``torch_comm_wait_frac`` (gloo: threads
+blocked waiting for peers). Per step, over the job's flagged ranks:
+
+- the flagged rank that waits least is a ``culprit``, and so is every flagged
+  rank that waits about as little (two slow ranks are two culprits);
+- a flagged rank that waits clearly more than the least-waiting culprit is
+  ``waiting``: visible in scores, but no alert;
+- when the ranks carry no wait share (one rank, no collectives) every flagged
+  rank is a culprit: nothing says it waits for another.
+
+When every flagged rank waits, and an unflagged rank of the same step waits
+clearly less than all of them, that rank is what they wait for: it is promoted
+to a flagged culprit (the model saw the symptom on its peers, not on it).
+
+Roles ``node`` and ``job`` come from the node and job detectors, not from here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+CULPRIT, WAITING, NODE, JOB = "culprit", "waiting", "node", "job"
+ROLES = (CULPRIT, WAITING, NODE, JOB)
+# Which share says "time spent waiting for peers", in order of preference: a job with NCCL waits in
+# NCCL; a CPU job's gloo waits are in c10d's wait probes.
+WAIT_FEATURES = ("nccl_time_frac", "torch_comm_wait_frac")
+# "Clearly more": a rank waits at least this much longer (share of its window), and at least this
+# fraction of its own wait longer, than the least-waiting culprit. Healthy ranks of one job differ
+# by a few points of share; a straggler's peers by tens (e.g. 0.33 against 0.06).
+MIN_GAP = 0.03
+MIN_REL_GAP = 0.2
+
+
+@dataclass(frozen=True)
+class StepRoles:
+    roles: list[str]          # per row: "" (not flagged) or one of ROLES
+    promoted: list[int]       # row indices flagged here (the unflagged rank the others wait for)
+    wait_feature: str | None  # the share that decided, None when no row carried one
+    culprit_ranks: list[int]  # the step's culprits, by rank
+
+
+def wait_feature(vectors: Sequence[Mapping[str, float]]) -> str | None:
+    """The wait share this step can compare: the first of WAIT_FEATURES that two ranks report."""
+    for name in WAIT_FEATURES:
+        if sum(1 for v in vectors if _finite(v.get(name))) >= 2:
+            return name
+    return None
+
+
+def waits_clearly_more(wait: float, least: float) -> bool:
+    gap = wait - least
+    return gap >= MIN_GAP and gap >= MIN_REL_GAP * wait
+
+
+def assign_roles(ranks: Sequence[int], vectors: Sequence[Mapping[str, float]],
+                 flagged: Sequence[bool]) -> StepRoles:
+    """Roles for one job step: rows are (rank, the rank's feature vector, flagged by the model)."""
+    n = len(ranks)
+    roles = ["" for _ in range(n)]
+    flagged_rows = [i for i in range(n) if flagged[i]]
+    if not flagged_rows:
+        return StepRoles(roles, [], None, [])
+    name = wait_feature(vectors)
+    waits = [float(v[name]) if name is not None and _finite(v.get(name)) else None for v in vectors]
+    measured = [i for i in flagged_rows if waits[i] is not None]
+    promoted: list[int] = []
+    if measured:
+        least = min(waits[i] for i in measured)
+        idle = [i for i in range(n) if not flagged[i] and waits[i] is not None]
+        if idle:  # does every flagged rank wait for a rank the model left alone?
+            j = min(idle, key=lambda i: waits[i])
+            if all(waits_clearly_more(waits[i], waits[j]) for i in measured):
+                promoted, least = [j], waits[j]
+                roles[j] = CULPRIT
+        for i in measured:
+            roles[i] = WAITING if waits_clearly_more(waits[i], least) else CULPRIT
+    for i in flagged_rows:
+        if waits[i] is None:
+            roles[i] = CULPRIT
+    culprits = sorted(int(ranks[i]) for i in range(n) if roles[i] == CULPRIT)
+    return StepRoles(roles, promoted, name, culprits)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
