@@ -19,46 +19,11 @@ from pathlib import Path
 import pytest
 
 from fleetscope.producers.identity import Identity, IdentityResolver, IdentityRules, parse_cgroup
+from support.processes import spawn, wait_until  # noqa: F401 (spawn is a fixture)
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(30)"]
 HEX = "4f1c2d3e" * 8  # a 64-hex container id
 
 
-@pytest.fixture
-def spawn():
-    """Start real processes; every one is killed and reaped at teardown."""
-    procs: list[subprocess.Popen] = []
-
-    def start(env: dict[str, str], argv: list[str] = SLEEPER, **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=env, **kwargs)
-        procs.append(proc)
-        # Until the child execs, /proc shows the forked copy of pytest (its environ too).
-        wait_until(lambda: _cmdline(proc.pid)[:len(argv)] == list(argv) or proc.poll() is not None)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def wait_until(predicate, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 def fake_proc(root, pid: int, *, environ: bytes = b"", cgroup: str = "0::/\n",

@@ -26,7 +26,7 @@ from fleetscope.producers.tracers.discovery import TargetSpec
 from fleetscope.streams.diagnosis.subsystems import subsystem_of
 from fleetscope.streams.features import window_features
 from fleetscope.streams.windows import WindowAssembler
-from test_identity import spawn, wait_until  # noqa: F401 (spawn is a fixture)
+from support.processes import spawn, wait_until  # noqa: F401 (spawn is a fixture)
 
 BURN = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
 # Maps fresh anonymous memory and writes one byte per page, over and over: minor faults grow.
