@@ -37,6 +37,8 @@ def cmd_streams(args) -> int:
     cfg = with_topic_flags(load_config(args), args)
     if not kafka_or_explain(cfg, "streams"):
         return 2
+    from fleetscope.topics import prepare_topics
+    prepare_topics(cfg, cfg.kafka)  # a wrong address or login is one line before Faust's seconds of imports
     from fleetscope.streams.worker import run_streams
     run_streams(cfg, cfg.kafka)
     return 0
