@@ -139,6 +139,8 @@ def build_agent(cfg: Config, bootstrap: str) -> Agent:
     collectors = build_collectors(list(cfg.collectors) if cfg.collectors else None)
     publisher = Publisher(cfg, bootstrap)
     agent = Agent(cfg, publisher, [HostSampler(cfg.host, collectors)])
+    from fleetscope.producers.agent_metrics import start_agent_metrics
+    agent.closers.append(start_agent_metrics(cfg, agent).stop)  # /metrics (metrics_address:metrics_port)
     if cfg.nvml:
         from fleetscope.producers.identity import IdentityResolver
         from fleetscope.producers.nvml.sampler import NvmlSampler

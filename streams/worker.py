@@ -34,6 +34,8 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
     processor = StreamProcessor(cfg, store, derived_producer(cfg, bootstrap))
     endpoint = QueryEndpoint(store, cfg.data_dir, stats_provider=processor.snapshot)
     endpoint.start()
+    from fleetscope.streams.worker_metrics import WorkerMetrics
+    metrics = WorkerMetrics(cfg, bootstrap, processor).start()  # /metrics (metrics_address:metrics_port)
     try:
         run_worker(create_app(cfg, bootstrap, processor))
     finally:
@@ -42,5 +44,6 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
                 processor.close()
             except Exception:
                 log.exception("final model checkpoint failed; the last periodic one stands")
+        metrics.stop()
         endpoint.stop()
         store.close()
