@@ -9,30 +9,11 @@ import logging
 
 import pytest
 
-from fleetscope.streams.diagnosis.kb import load_kb
 from fleetscope import config as config_mod
+from fleetscope.streams.diagnosis.kb import load_kb
 from fleetscope.streams.diagnosis.remediation import (ExecResult, IdentityOverride, LocalExecutor, Policy, plan,
                                                       render, run_action)
-
-
-class RecordingExecutor:
-    """Stands in for a host: records what would have run; runs nothing."""
-
-    def __init__(self, host: str = "node-a", tools=("kubectl", "ps", "nvidia-smi", "migratepages", "numastat"),
-                 result: ExecResult = ExecResult(0, "done\n")):
-        self.host, self.tools, self.result = host, set(tools), result
-        self.calls: list[tuple] = []
-
-    def which(self, tool):
-        return tool in self.tools
-
-    def run(self, argv, timeout_s):
-        self.calls.append(("run", tuple(argv)))
-        return ExecResult(0, f"state of {argv[-1]}\n") if argv and argv[0] in ("ps", "cat", "numastat") else self.result
-
-    def write(self, path, value):
-        self.calls.append(("write", path, value))
-        return self.result
+from support.recording_executor import RecordingExecutor
 
 
 @pytest.fixture(scope="module")
