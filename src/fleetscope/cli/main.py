@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_tenants(sub)
     from fleetscope.cli.alert import register as register_alert
     register_alert(sub)
+    from fleetscope.cli.trace import register as register_trace
+    register_trace(sub)
     add_global_options(p)  # last: every subcommand registered above gets them
     return p
 
