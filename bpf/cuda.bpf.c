@@ -8,15 +8,30 @@
  * bit 63 so a runtime call that enters the driver inside it keeps its own
  * slot). Return pairs with it and aggregates into maps that user space reads
  * once per sample: nothing leaves the kernel per call unless DETAIL is set,
- * which adds one ring-buffer record per call (tests, debugging). */
+ * which adds one ring-buffer record per call (tests, debugging).
+ *
+ * The runtime enters the driver through its exported symbols (cudaMalloc
+ * calls cuMemAlloc_v2, cudaLaunchKernel cuLaunchKernel): a driver call made
+ * while a runtime call of the same family is in flight on the thread is the
+ * runtime call's own work and is not counted again (its probe still counts a
+ * hit: it still costs). The runtime call's entry in `inflight` is the flag,
+ * so no extra map and nothing to clear: its return takes it away. If a
+ * runtime probe was detached mid-call the stale entry is overwritten by the
+ * thread's next runtime call of any family.
+ *
+ * Pinned host memory (cudaMallocHost, cudaHostAlloc, cuMemHostAlloc,
+ * cuMemAllocHost) is counted apart from device memory: `allocs` keys carry
+ * the kind (ALLOC_DEVICE / ALLOC_PINNED) so a free finds its own kind. */
 /* Prepended by producers/tracers/gpu_calls.py: bpf/gpu_calls.bpf.c (inflight,
  * stats, hits, lost, calls; count_lost, gpu_call_enter/take/record). */
 
 #define DRIVER_TAG (1ULL << 63)
+#define ALLOC_DEVICE 0
+#define ALLOC_PINNED 1
 
 BPF_HASH(launches, struct gpu_sub_key, u64, 16384);    /* (pid, api, host stub or CUfunction) -> calls */
 BPF_HASH(memcpy_kind, struct gpu_sub_key, u64, 1024);  /* (pid, api, cudaMemcpyKind) -> bytes */
-BPF_HASH(allocs, struct gpu_sub_key, u64, 262144);     /* (pid, 0, pointer) -> size, live allocations */
+BPF_HASH(allocs, struct gpu_sub_key, u64, 262144);     /* (pid, ALLOC_*, pointer) -> size, live allocations */
 BPF_HASH(mem, u32, struct cuda_mem_stats, 1024);       /* per pid */
 
 /* bcc rewrites map calls only outside macros, and its increment() cannot
@@ -38,23 +53,63 @@ static __always_inline void add_copy(struct gpu_sub_key *k, u64 bytes) {
 }
 
 static __always_inline int enter(u32 api, u32 family, u64 tag, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4, u64 a5) {
-    return gpu_call_enter(bpf_get_current_pid_tgid() | tag, api, family, a0, a1, a2, a3, a4, a5);
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    if (tag) {  /* a driver call: inside a runtime call of its family it is that call's own work */
+        struct gpu_inflight *rt = inflight.lookup(&pid_tgid);
+        if (rt && rt->family == family) {
+            hits.increment(family);
+            return 0;
+        }
+    }
+    return gpu_call_enter(pid_tgid | tag, api, family, a0, a1, a2, a3, a4, a5);
 }
 
-static __always_inline void add_mem(u32 pid, u64 malloc_bytes, u64 free_bytes) {
+static __always_inline void add_mem(u32 pid, u32 kind, u64 malloc_bytes, u64 free_bytes) {
     struct cuda_mem_stats z = {};
     struct cuda_mem_stats *m = mem.lookup_or_try_init(&pid, &z);
     if (!m) {
         count_lost();
         return;
     }
-    if (malloc_bytes) {
+    if (kind == ALLOC_PINNED) {
+        if (malloc_bytes) {
+            __sync_fetch_and_add(&m->pinned_bytes, malloc_bytes);
+            __sync_fetch_and_add(&m->pinned_allocs, 1);
+        } else {
+            __sync_fetch_and_add(&m->pinned_free_bytes, free_bytes);
+            __sync_fetch_and_add(&m->pinned_frees, 1);
+        }
+    } else if (malloc_bytes) {
         __sync_fetch_and_add(&m->malloc_bytes, malloc_bytes);
         __sync_fetch_and_add(&m->mallocs, 1);
     } else {
         __sync_fetch_and_add(&m->free_bytes, free_bytes);
         __sync_fetch_and_add(&m->frees, 1);
     }
+}
+
+/* A successful allocation: the pointer from its out-parameter, remembered with its size and kind. */
+static __always_inline void note_alloc(u32 pid, u32 kind, struct gpu_inflight *f, u64 bytes) {
+    u64 ptr = 0;
+    bpf_probe_read_user(&ptr, sizeof(ptr), (void *)f->arg[0]);
+    f->arg[0] = ptr;  /* the detail record shows the allocation, not its out-parameter */
+    struct gpu_sub_key ak = {.pid = pid, .api = kind, .sub = ptr};
+    if (allocs.update(&ak, &bytes) != 0)
+        count_lost();
+    else
+        add_mem(pid, kind, bytes, 0);
+}
+
+/* A successful free: its size if the allocation was seen (those made before tracing began were not). */
+static __always_inline u64 note_free(u32 pid, u32 kind, u64 ptr) {
+    struct gpu_sub_key ak = {.pid = pid, .api = kind, .sub = ptr};
+    u64 *size = allocs.lookup(&ak);
+    if (!size)
+        return 0;
+    u64 bytes = *size;
+    allocs.delete(&ak);
+    add_mem(pid, kind, 0, bytes);
+    return bytes;
 }
 
 static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
@@ -82,29 +137,24 @@ static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
     case API_cudaMemset:
         bytes = f.arg[2];
         break;
-    case API_cudaMalloc: case API_cudaMallocHost: case API_cuMemAlloc_v2:
+    case API_cudaMalloc: case API_cuMemAlloc_v2:
         bytes = f.arg[1];
-        if (rc == 0) {
-            u64 ptr = 0;
-            bpf_probe_read_user(&ptr, sizeof(ptr), (void *)f.arg[0]);
-            f.arg[0] = ptr;  /* the detail record shows the allocation, not its out-parameter */
-            struct gpu_sub_key ak = {.pid = pid, .sub = ptr};
-            if (allocs.update(&ak, &bytes) != 0)
-                count_lost();
-            else
-                add_mem(pid, bytes, 0);
-        }
+        if (rc == 0)
+            note_alloc(pid, ALLOC_DEVICE, &f, bytes);
         break;
-    case API_cudaFree: case API_cudaFreeHost: case API_cuMemFree_v2:
-        if (rc == 0) {
-            struct gpu_sub_key ak = {.pid = pid, .sub = f.arg[0]};
-            u64 *size = allocs.lookup(&ak);
-            if (size) {  /* unknown pointers were allocated before tracing began */
-                bytes = *size;
-                allocs.delete(&ak);
-                add_mem(pid, 0, bytes);
-            }
-        }
+    case API_cudaMallocHost: case API_cudaHostAlloc: case API_cuMemHostAlloc: case API_cuMemAllocHost_v2:
+        bytes = f.arg[1];
+        if (rc == 0)
+            note_alloc(pid, ALLOC_PINNED, &f, bytes);
+        break;
+    case API_cudaFree: case API_cuMemFree_v2:
+        if (rc == 0)
+            bytes = note_free(pid, ALLOC_DEVICE, f.arg[0]);
+        f.arg[1] = bytes;
+        break;
+    case API_cudaFreeHost: case API_cuMemFreeHost:
+        if (rc == 0)
+            bytes = note_free(pid, ALLOC_PINNED, f.arg[0]);
         f.arg[1] = bytes;
         break;
     }
@@ -157,6 +207,9 @@ static __always_inline int on_cudaMalloc(struct pt_regs *ctx) {
 static __always_inline int on_cudaMallocHost(struct pt_regs *ctx) {
     return enter(API_cudaMallocHost, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
 }
+static __always_inline int on_cudaHostAlloc(struct pt_regs *ctx) {  /* (void **out, size, flags) */
+    return enter(API_cudaHostAlloc, FAM_memory, 0, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), 0, 0, 0);
+}
 static __always_inline int on_cudaFree(struct pt_regs *ctx) { return enter(API_cudaFree, FAM_memory, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0); }
 static __always_inline int on_cudaFreeHost(struct pt_regs *ctx) {
     return enter(API_cudaFreeHost, FAM_memory, 0, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
@@ -198,6 +251,16 @@ static __always_inline int on_cuMemAlloc_v2(struct pt_regs *ctx) {
 static __always_inline int on_cuMemFree_v2(struct pt_regs *ctx) {
     return enter(API_cuMemFree_v2, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
 }
+/* cuMemHostAlloc(void **out, size, flags), cuMemAllocHost_v2(void **out, size), cuMemFreeHost(p) */
+static __always_inline int on_cuMemHostAlloc(struct pt_regs *ctx) {
+    return enter(API_cuMemHostAlloc, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), 0, 0, 0);
+}
+static __always_inline int on_cuMemAllocHost_v2(struct pt_regs *ctx) {
+    return enter(API_cuMemAllocHost_v2, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0, 0, 0);
+}
+static __always_inline int on_cuMemFreeHost(struct pt_regs *ctx) {
+    return enter(API_cuMemFreeHost, FAM_memory, DRIVER_TAG, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
+}
 static __always_inline int on_cuStreamSynchronize(struct pt_regs *ctx) {
     return enter(API_cuStreamSynchronize, FAM_sync, DRIVER_TAG, PT_REGS_PARM1(ctx), 0, 0, 0, 0, 0);
 }
@@ -214,6 +277,7 @@ int on_call(struct pt_regs *ctx) {
     case API_cudaMemset: return on_cudaMemset(ctx);
     case API_cudaMalloc: return on_cudaMalloc(ctx);
     case API_cudaMallocHost: return on_cudaMallocHost(ctx);
+    case API_cudaHostAlloc: return on_cudaHostAlloc(ctx);
     case API_cudaFree: return on_cudaFree(ctx);
     case API_cudaFreeHost: return on_cudaFreeHost(ctx);
     case API_cudaStreamSynchronize: return on_cudaStreamSynchronize(ctx);
@@ -223,6 +287,9 @@ int on_call(struct pt_regs *ctx) {
     case API_cuLaunchKernelEx: return on_cuLaunchKernelEx(ctx);
     case API_cuMemAlloc_v2: return on_cuMemAlloc_v2(ctx);
     case API_cuMemFree_v2: return on_cuMemFree_v2(ctx);
+    case API_cuMemHostAlloc: return on_cuMemHostAlloc(ctx);
+    case API_cuMemAllocHost_v2: return on_cuMemAllocHost_v2(ctx);
+    case API_cuMemFreeHost: return on_cuMemFreeHost(ctx);
     case API_cuStreamSynchronize: return on_cuStreamSynchronize(ctx);
     }
     return 0;

@@ -123,7 +123,7 @@ struct gpu_call_stats {  /* cumulative */
 struct gpu_inflight {
     u64 ts;
     u32 api;
-    u32 pad;
+    u32 family;     /* a driver call inside a runtime call of the same family is not counted again */
     u64 arg[GPU_CALL_ARGS];
 };
 
@@ -139,10 +139,14 @@ struct gpu_call_event {
 };
 
 struct cuda_mem_stats {  /* per pid, cumulative; live = malloc - free */
-    u64 malloc_bytes;
+    u64 malloc_bytes;       /* device memory */
     u64 free_bytes;
     u64 mallocs;
     u64 frees;
+    u64 pinned_bytes;       /* page-locked host memory (cudaMallocHost, cudaHostAlloc, cuMemHostAlloc) */
+    u64 pinned_free_bytes;
+    u64 pinned_allocs;
+    u64 pinned_frees;
 };
 
 struct nccl_comm_info {

@@ -28,7 +28,7 @@ static __always_inline void count_lost(void) {
 /* Save an entry under `id` (a thread's pid_tgid, possibly tagged) and count the family's hit. */
 static __always_inline int gpu_call_enter(u64 id, u32 api, u32 family, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4,
                                           u64 a5) {
-    struct gpu_inflight f = {.ts = bpf_ktime_get_ns(), .api = api, .arg = {a0, a1, a2, a3, a4, a5}};
+    struct gpu_inflight f = {.ts = bpf_ktime_get_ns(), .api = api, .family = family, .arg = {a0, a1, a2, a3, a4, a5}};
     if (inflight.update(&id, &f) != 0)
         count_lost();
     hits.increment(family);

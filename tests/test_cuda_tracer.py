@@ -1,8 +1,10 @@
 """CudaTracer with real eBPF on real processes.
 
-The CUDA libraries are stand-ins (tests/gpu_stub: this machine has no GPU):
+The CUDA libraries are stand-ins (src/fleetscope/eval/gpu_stub: this machine has no GPU):
 same exported names and C signatures as libcudart.so.12 and libcuda.so.1,
-with durations and return codes set through the environment. Everything else
+with durations and return codes set through the environment. Like the real
+runtime, the libcudart stand-in enters the driver through libcuda's exported
+symbols (GPU_STUB_RUNTIME_ENTERS_DRIVER=0 turns that off). Everything else
 is real: uprobes, BPF maps, ring buffer, /proc discovery, ELF symbols.
 """
 import os
@@ -34,16 +36,23 @@ def wait_attached(tracer, pid, timeout=10.0):
         time.sleep(0.05)
 
 
-def test_every_call_with_arguments_durations_and_return_codes(make):
+PROBES = 22  # 14 runtime + 8 driver APIs
+
+
+@pytest.mark.parametrize("enters_driver", ["1", "0"], ids=["runtime-enters-driver", "runtime-alone"])
+def test_every_call_with_arguments_durations_and_return_codes(make, enters_driver):
+    """Counted once either way: when the runtime enters the driver, the nested driver calls fire
+    their probes (the hits show it) but add no calls, launches or bytes of their own."""
     make_tracer, make_workload = make
     tracer = make_tracer(detail=True)  # the tracer is up before the workload starts
-    w = make_workload("cuda", ITERS, 0, delay_ms=400, env={
+    w = make_workload("cuda", ITERS, 0, late_load=True, env={
         "GPU_STUB_DELAY_US": "cudaStreamSynchronize=2000,cudaDeviceSynchronize=300",
-        "GPU_STUB_RC": "cudaMemset=1,cuLaunchKernel=700"})
+        "GPU_STUB_RC": "cudaMemset=1,cuLaunchKernel=700", "GPU_STUB_RUNTIME_ENTERS_DRIVER": enters_driver})
     assert tracer.add_pid(w.pid) is False  # not yet dlopen()ed: nothing to attach to
+    w.load()
     w.loaded()
     assert tracer.add_pid(w.pid) is True
-    assert tracer.attached_probes() == 18
+    assert tracer.attached_probes() == PROBES
     started = time.monotonic_ns()
     w.go()
     assert w.finish()[0] == ITERS
@@ -53,11 +62,11 @@ def test_every_call_with_arguments_durations_and_return_codes(make):
     by_api = {}
     for r in recs:
         by_api.setdefault(r["api"], []).append(r)
-    expect = {"cudaMalloc": 1, "cudaMallocHost": 1, "cudaMemcpy": 2, "cudaMemcpyAsync": 1, "cudaMemset": 1,
-              "cudaLaunchKernel": 4, "cudaLaunchCooperativeKernel": 1, "cudaGraphLaunch": 1,
+    expect = {"cudaMalloc": 1, "cudaMallocHost": 1, "cudaHostAlloc": 1, "cudaMemcpy": 2, "cudaMemcpyAsync": 1,
+              "cudaMemset": 1, "cudaLaunchKernel": 4, "cudaLaunchCooperativeKernel": 1, "cudaGraphLaunch": 1,
               "cudaStreamSynchronize": 1, "cudaDeviceSynchronize": 1, "cudaEventSynchronize": 1,
-              "cudaFree": 0.5, "cudaFreeHost": 1, "cuMemAlloc_v2": 1, "cuLaunchKernel": 1, "cuLaunchKernelEx": 1,
-              "cuStreamSynchronize": 1, "cuMemFree_v2": 1}
+              "cudaFree": 0.5, "cudaFreeHost": 1.5, "cuMemAlloc_v2": 1, "cuLaunchKernel": 1, "cuLaunchKernelEx": 1,
+              "cuStreamSynchronize": 1, "cuMemFree_v2": 1}  # only the driver calls the workload makes itself
     assert {a: len(v) for a, v in by_api.items()} == {a: int(n * ITERS) for a, n in expect.items()}
     assert all(r["pid"] == w.pid for r in recs)
 
@@ -78,6 +87,8 @@ def test_every_call_with_arguments_durations_and_return_codes(make):
     assert {(r["bytes"], r["kind"], r["stream"]) for r in by_api["cudaMemcpyAsync"]} == {(8192, "DtoH", 0x5A5A)}
     assert {(r["bytes"], r["rc"]) for r in by_api["cudaMemset"]} == {(512, 1)}
     assert {r["bytes"] for r in by_api["cudaMalloc"]} == {1 << 20}
+    assert {r["bytes"] for r in by_api["cudaHostAlloc"]} == {32768}
+    assert all(r["ptr"] >= 0x7F0000000000 for r in by_api["cudaMallocHost"] + by_api["cudaHostAlloc"])  # host range
     allocated = {r["ptr"] for r in by_api["cudaMalloc"]}
     assert len(allocated) == ITERS and 0 not in allocated
     assert {r["ptr"] for r in by_api["cudaFree"]} < allocated
@@ -97,28 +108,66 @@ def test_every_call_with_arguments_durations_and_return_codes(make):
     for api, n in expect.items():
         label = {"cuMemAlloc_v2": "cuMemAlloc", "cuMemFree_v2": "cuMemFree"}.get(api, api)
         assert got[("cuda.calls", label)] == n * ITERS, api
+    assert not {k for k in got if k[0] == "cuda.calls" and k[1] in ("cuMemHostAlloc", "cuMemAllocHost", "cuMemFreeHost")}
     assert got[("cuda.errors", "cudaMemset")] == ITERS and got[("cuda.errors", "cuLaunchKernel")] == ITERS
+    # the driver's failure is the runtime call's failure when the runtime enters the driver
+    assert got[("cuda.errors", "cudaLaunchKernel")] == (4 * ITERS if enters_driver == "1" else 0)
     assert got[("cuda.errors", "cudaMemcpy")] == 0
     assert got[("cuda.launches", VECADD)] == 3 * ITERS
     assert got[("cuda.launches", RELU)] == 2 * ITERS  # cudaLaunchKernel + cudaLaunchCooperativeKernel
     assert got[("cuda.launches", "CUfunction@0xf00d")] == ITERS
+    assert {k for k in got if k[0] == "cuda.launches"} == {("cuda.launches", n) for n in (VECADD, RELU, "CUfunction@0xf00d",
+                                                                                           "CUfunction@0xbeef")}
     assert got[("cuda.memcpy_bytes", "HtoD")] == 4096 * ITERS
     assert got[("cuda.memcpy_bytes", "DtoH")] == 8192 * ITERS
     assert got[("cuda.memcpy_bytes", "DtoD")] == 1000 * ITERS
     assert got[("cuda.bytes", "cudaMemcpy")] == 5096 * ITERS
     assert got[("cuda.bytes", "cudaMemset")] == 512 * ITERS
-    mib, host, drv = 1 << 20, 65536, 2048
-    assert got[("cuda.malloc_bytes", "all")] == (mib + host + drv) * ITERS
-    assert got[("cuda.free_bytes", "all")] == (mib // 2 + host + drv) * ITERS
+    mib, drv, host, mapped = 1 << 20, 2048, 65536, 32768
+    assert got[("cuda.malloc_bytes", "all")] == (mib + drv) * ITERS  # device memory only: pinned host apart
+    assert got[("cuda.free_bytes", "all")] == (mib // 2 + drv) * ITERS
     assert got[("cuda.mem_live_bytes", "all")] == mib * ITERS // 2  # odd iterations leak their 1 MiB
     assert got[("cuda.mem_live_allocs", "all")] == ITERS // 2
+    assert got[("cuda.pinned_alloc_bytes", "all")] == (host + mapped) * ITERS
+    assert got[("cuda.pinned_free_bytes", "all")] == (host + mapped // 2) * ITERS
+    assert got[("cuda.pinned_live_bytes", "all")] == mapped * ITERS // 2  # and 32 KiB of pinned memory
+    assert got[("cuda.pinned_live_allocs", "all")] == ITERS // 2
     p50 = got[("cuda.lat_p50_ns", "cudaStreamSynchronize")]
     assert 2_000_000 <= p50 * 1.125 and p50 < 3_500_000, p50  # bucket midpoint: within 12.5%
     assert got[("cuda.lost_events", "all")] == 0
     for r in rows(batch):
         assert r["sample_frac"] == pytest.approx(1.0, abs=0.01)
-        assert (r["interval_ns"] == 0) == str(r["metric"]).startswith(("cuda.lat_", "cuda.mem_live"))
-    assert tracer.hits() == {"launch": 8 * ITERS, "memory": 9.5 * ITERS, "sync": 4 * ITERS}
+        assert (r["interval_ns"] == 0) == str(r["metric"]).startswith(("cuda.lat_", "cuda.mem_live", "cuda.pinned_live"))
+    # Probe hits, nested driver calls included: 5 launches, 5 allocations/frees, 1 stream sync enter the driver.
+    nested = {"launch": 5, "memory": 5, "sync": 1} if enters_driver == "1" else {"launch": 0, "memory": 0, "sync": 0}
+    assert tracer.hits() == {f: (n + nested[f]) * ITERS for f, n in {"launch": 8, "memory": 11, "sync": 4}.items()}
+
+
+def test_a_runtime_that_loads_the_driver_later_still_counts_each_launch_once(make):
+    """The real order: libcudart is mapped first and loads libcuda on its first call; the
+    tracer picks libcuda up at a later sample. Before and after, one launch is one count."""
+    make_tracer, make_workload = make
+    tracer = make_tracer()
+    w = make_workload("launch", -1, 200)
+    w.loaded()
+    assert tracer.add_pid(w.pid) and set(tracer.libs[w.pid]) == {"cudart"}  # no driver yet
+    w.go()
+    deadline = time.monotonic() + 20
+    while "cuda" not in tracer.libs[w.pid]:  # the runtime's first call dlopens the driver
+        assert time.monotonic() < deadline, "the driver was never picked up"
+        tracer.sample()
+        time.sleep(0.05)
+    hits0 = tracer.hits()["launch"]
+    tracer.sample()
+    while tracer.hits()["launch"] - hits0 < 200:  # ~100 launches, each firing the runtime and the driver probe
+        time.sleep(0.05)
+    hits1 = tracer.hits()["launch"]
+    got = index([tracer.sample()], w.pid)
+    calls = got[("cuda.calls", "cudaLaunchKernel")]
+    assert got[("cuda.launches", VECADD)] == calls
+    assert not [k for k in got if k[1].startswith(("cuLaunchKernel", "CUfunction"))], got
+    # every counted launch also hit the driver's probe, which skipped it (the reads straddle a few calls)
+    assert abs((hits1 - hits0) - 2 * calls) <= 6, (hits1 - hits0, calls)
 
 
 def test_attach_after_start_untraced_process_and_exit_mid_trace(make):
@@ -168,7 +217,7 @@ def test_launch_family_detaches_for_real_and_reports_its_fraction(make):
     time.sleep(0.5)
     t_off = time.monotonic()
     tracer.set_family_enabled("launch", False)
-    assert tracer.attached_probes() == 18 - 5  # 3 runtime + 2 driver launch probes really detached
+    assert tracer.attached_probes() == PROBES - 5  # 3 runtime + 2 driver launch probes really detached
     hits_off = tracer.hits()["launch"]
     time.sleep(0.5)
     assert tracer.hits()["launch"] == hits_off  # a detached probe costs and counts nothing
@@ -182,7 +231,7 @@ def test_launch_family_detaches_for_real_and_reports_its_fraction(make):
     later = index([tracer.sample()], w.pid)
     assert ("cuda.calls", "cudaLaunchKernel") not in later and later[("cuda.calls", "cudaMemcpy")] > 0
     tracer.set_family_enabled("launch", True)
-    assert tracer.attached_probes() == 18
+    assert tracer.attached_probes() == PROBES
     with pytest.raises(KeyError, match="no probe family"):
         tracer.set_family_enabled("python", True)
 

@@ -31,9 +31,10 @@ def tracer_cls():
 def test_every_call_bytes_per_datatype_peers_comm_and_return_codes(make):
     make_tracer, make_workload = make
     tracer = make_tracer(detail=True)
-    w = make_workload("nccl", ITERS, 0, delay_ms=300,
+    w = make_workload("nccl", ITERS, 0, late_load=True,
                       env={"GPU_STUB_DELAY_US": "ncclAllReduce=500", "GPU_STUB_RC": "ncclSend=5"})
     assert tracer.add_pid(w.pid) is False  # libnccl not mapped yet
+    w.load()
     w.loaded()
     assert tracer.add_pid(w.pid) is True
     assert tracer.families() == {"collectives": "always"}

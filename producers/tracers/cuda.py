@@ -5,17 +5,27 @@ Rows (source "cuda"), per pid:
   cuda.calls, cuda.dur_ns, cuda.errors, cuda.bytes (memcpy/memset/malloc/free),
   cuda.lat_p50_ns, cuda.lat_p99_ns (see gpu_calls.py);
 - cuda.memcpy_bytes, device "HtoD"/"DtoH"/"DtoD"/"HtoH"/"default" (successful copies);
-- cuda.malloc_bytes, cuda.free_bytes (deltas; a free's size comes from the
-  pointer->size map filled when the allocation returned, so memory allocated
-  before tracing began is not counted when freed);
-- cuda.mem_live_bytes, cuda.mem_live_allocs (gauges, device "all"): what was
-  allocated since tracing began and not yet freed;
+- cuda.malloc_bytes, cuda.free_bytes (deltas, device memory only; a free's
+  size comes from the pointer->size map filled when the allocation returned,
+  so memory allocated before tracing began is not counted when freed);
+- cuda.mem_live_bytes, cuda.mem_live_allocs (gauges, device "all"): device
+  memory allocated since tracing began and not yet freed;
+- cuda.pinned_alloc_bytes, cuda.pinned_free_bytes (deltas) and
+  cuda.pinned_live_bytes, cuda.pinned_live_allocs (gauges), device "all":
+  the same for page-locked host memory (cudaMallocHost, cudaHostAlloc,
+  cuMemHostAlloc, cuMemAllocHost), which is host RAM, not GPU memory;
 - cuda.launches, device = the kernel's name from the host stub's symbol (at most
   `symbol_cap` names per pid, then "other"); driver launches pass a CUfunction
   handle, not code, and show as "CUfunction@0x...";
 - cuda.lost_events.
 
 Families: "launch" (expensive: duty-cycled by the governor), "memory" and "sync" (always on).
+
+Counted once: the runtime enters the driver through its exported symbols
+(cudaMalloc -> cuMemAlloc_v2, cudaLaunchKernel -> cuLaunchKernel, ...); a
+driver call made inside a runtime call of the same family on the same thread
+is skipped in BPF (bpf/cuda.bpf.c), so only the runtime call counts. Driver
+calls the application makes itself count as driver calls.
 """
 from __future__ import annotations
 
@@ -52,12 +62,16 @@ class CudaTracer(GpuCallTracer):
         _rt("cudaMemcpy", "memory", has_bytes=True), _rt("cudaMemcpyAsync", "memory", has_bytes=True),
         _rt("cudaMemset", "memory", has_bytes=True),
         _rt("cudaMalloc", "memory", has_bytes=True), _rt("cudaMallocHost", "memory", has_bytes=True),
+        _rt("cudaHostAlloc", "memory", has_bytes=True),
         _rt("cudaFree", "memory", has_bytes=True), _rt("cudaFreeHost", "memory", has_bytes=True),
         _rt("cudaStreamSynchronize", "sync"), _rt("cudaDeviceSynchronize", "sync"),
         _rt("cudaEventSynchronize", "sync"),
         _drv("cuLaunchKernel", "launch"), _drv("cuLaunchKernelEx", "launch"),
         _drv("cuMemAlloc_v2", "memory", label="cuMemAlloc", has_bytes=True),
         _drv("cuMemFree_v2", "memory", label="cuMemFree", has_bytes=True),
+        _drv("cuMemHostAlloc", "memory", has_bytes=True),
+        _drv("cuMemAllocHost_v2", "memory", label="cuMemAllocHost", has_bytes=True),
+        _drv("cuMemFreeHost", "memory", has_bytes=True),
         _drv("cuStreamSynchronize", "sync"),
     )
     PID_MAPS = ("stats", "launches", "memcpy_kind", "allocs", "mem")
@@ -66,7 +80,7 @@ class CudaTracer(GpuCallTracer):
     def __init__(self, host: str, resolver=None, detail: bool = False, symbol_cap: int = 256, **kw):
         super().__init__(host, resolver, detail=detail, **kw)
         self.symbols = Symbolizer(cap=symbol_cap)
-        self._prev_mem: dict[int, tuple[int, int, int, int]] = {}
+        self._prev_mem: dict[int, tuple[int, ...]] = {}
 
     def _kernel_name(self, pid: int, api: str, func: int) -> str:
         if api in self._HOST_STUB_LAUNCHES:
@@ -83,13 +97,19 @@ class CudaTracer(GpuCallTracer):
         frac = fracs["memory"]
         for k, m in self.bpf[b"mem"].items():
             pid = int(k.value)
-            cur = (m.malloc_bytes, m.free_bytes, m.mallocs, m.frees)
-            prev = self._prev_mem.get(pid, (0, 0, 0, 0))
+            cur = (m.malloc_bytes, m.free_bytes, m.mallocs, m.frees,
+                   m.pinned_bytes, m.pinned_free_bytes, m.pinned_allocs, m.pinned_frees)
+            prev = self._prev_mem.get(pid, (0,) * len(cur))
             self._prev_mem[pid] = cur
             rows += [("cuda.malloc_bytes", "all", cur[0] - prev[0], pid, interval, frac),
                      ("cuda.free_bytes", "all", cur[1] - prev[1], pid, interval, frac),
                      ("cuda.mem_live_bytes", "all", cur[0] - cur[1], pid, 0, frac),
                      ("cuda.mem_live_allocs", "all", cur[2] - cur[3], pid, 0, frac)]
+            if cur[6]:  # pinned rows only for a process that has pinned memory
+                rows += [("cuda.pinned_alloc_bytes", "all", cur[4] - prev[4], pid, interval, frac),
+                         ("cuda.pinned_free_bytes", "all", cur[5] - prev[5], pid, interval, frac),
+                         ("cuda.pinned_live_bytes", "all", cur[4] - cur[5], pid, 0, frac),
+                         ("cuda.pinned_live_allocs", "all", cur[6] - cur[7], pid, 0, frac)]
         return rows
 
     def add_pid(self, pid: int) -> bool:
@@ -117,8 +137,9 @@ class CudaTracer(GpuCallTracer):
                     "stream": a[4] if s == "cudaMemcpyAsync" else None}
         if s == "cudaMemset":
             return {"ptr": a[0], "value": a[1] & 0xFFFFFFFF, "bytes": a[2]}
-        if api.device in ("cudaMalloc", "cudaMallocHost", "cuMemAlloc"):
+        if api.device in ("cudaMalloc", "cudaMallocHost", "cudaHostAlloc", "cuMemAlloc", "cuMemHostAlloc",
+                          "cuMemAllocHost"):
             return {"ptr": a[0], "bytes": a[1]}
-        if api.device in ("cudaFree", "cudaFreeHost", "cuMemFree"):
+        if api.device in ("cudaFree", "cudaFreeHost", "cuMemFree", "cuMemFreeHost"):
             return {"ptr": a[0], "bytes": a[1]}
         return {"handle": a[0]}  # sync: the stream or event (0 for the device)

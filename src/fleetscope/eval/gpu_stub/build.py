@@ -16,22 +16,33 @@ def build(out: Path) -> Path:
         raise RuntimeError("gcc is needed to build the GPU stand-ins in src/fleetscope/eval/gpu_stub; install gcc")
     out.mkdir(parents=True, exist_ok=True)
     for lib, src in LIBS.items():
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(out / lib), str(HERE / src)], check=True)
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(out / lib), str(HERE / src), "-ldl", "-lpthread"], check=True)
     subprocess.run(["gcc", "-O2", "-o", str(out / "workload"), str(HERE / "workload.c"), "-ldl"], check=True)
     return out
 
 
 class Workload:
-    """The workload process: `loaded()` waits for its dlopen, `go()` releases a "go"-mode run."""
+    """The workload process: `loaded()` waits for its dlopen, `go()` releases a "go"-mode run.
 
-    def __init__(self, bindir: Path, mode: str, iters: int, rate_hz: int = 0, delay_ms: int = 0,
+    With late_load the process starts without the libraries and dlopens them only when
+    `load()` tells it to, so a test can look at it before and after, whatever the load."""
+
+    def __init__(self, bindir: Path, mode: str, iters: int, rate_hz: int = 0, late_load: bool = False,
                  wait_for_go: bool = True, env: dict | None = None):
-        args = [str(bindir / "workload"), mode, str(bindir), str(iters), str(rate_hz), str(delay_ms)]
+        args = [str(bindir / "workload"), mode, str(bindir), str(iters), str(rate_hz), "wait" if late_load else "0"]
         if wait_for_go:
             args.append("go")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         self.pid = self.proc.pid
+        if late_load:
+            line = self.proc.stdout.readline()
+            assert line.strip() == "started", f"workload did not start: {line!r}"
+
+    def load(self) -> None:
+        """A late_load workload: dlopen the libraries now (then wait for them with `loaded()`)."""
+        self.proc.stdin.write("load\n")
+        self.proc.stdin.flush()
 
     def loaded(self) -> None:
         line = self.proc.stdout.readline()

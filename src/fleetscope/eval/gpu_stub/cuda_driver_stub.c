@@ -23,4 +23,10 @@ CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **par
 }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) { STUB_CALL("cuMemAlloc_v2"); *p = stub_fake_ptr(size); return 0; }
 CUresult cuMemFree_v2(CUdeviceptr p) { (void)p; return STUB_RC("cuMemFree_v2"); }
+/* Pinned (page-locked) host memory: host addresses, apart from device memory. */
+CUresult cuMemHostAlloc(void **pp, size_t size, unsigned int flags) {
+    (void)flags; STUB_CALL("cuMemHostAlloc"); *pp = (void *)stub_fake_host_ptr(size); return 0;
+}
+CUresult cuMemAllocHost_v2(void **pp, size_t size) { STUB_CALL("cuMemAllocHost_v2"); *pp = (void *)stub_fake_host_ptr(size); return 0; }
+CUresult cuMemFreeHost(void *p) { (void)p; return STUB_RC("cuMemFreeHost"); }
 CUresult cuStreamSynchronize(CUstream s) { (void)s; return STUB_RC("cuStreamSynchronize"); }

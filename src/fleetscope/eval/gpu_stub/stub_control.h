@@ -149,4 +149,9 @@ static unsigned long stub_fake_ptr(size_t size) {
     unsigned long p = __atomic_fetch_add(&stub_next_ptr, (size + 4095) & ~4095UL, __ATOMIC_RELAXED);
     return p;
 }
+/* Stand-in pinned host pointers: a range of their own, so a test can tell them apart. */
+static unsigned long stub_next_host_ptr = 0x7f0000000000UL;
+static unsigned long stub_fake_host_ptr(size_t size) {
+    return __atomic_fetch_add(&stub_next_host_ptr, (size + 4095) & ~4095UL, __ATOMIC_RELAXED);
+}
 #endif

@@ -2,11 +2,12 @@
  * (optionally late) and calls them in a fixed sequence at a known rate, so a
  * test can predict every call, argument and byte count.
  *
- *   workload MODE LIBDIR ITERS RATE_HZ DELAY_MS [go]
+ *   workload MODE LIBDIR ITERS RATE_HZ LOAD [go]
  *     MODE      cuda | nccl | launch (a tight cudaLaunchKernel loop, for the benchmark)
  *     ITERS     iterations; -1 runs until killed
  *     RATE_HZ   iterations per second; 0 = as fast as possible
- *     DELAY_MS  sleep before dlopen (late-load ordering test)
+ *     LOAD      0: dlopen at once; wait: print "started", dlopen when a line arrives on
+ *               stdin (the late-load test says when; a timer raced a loaded machine)
  *     go        after loading, wait for a line on stdin before calling
  * Prints "loaded" after dlopen and "done ITERS NS_PER_ITER CPU_NS_PER_ITER" at the end
  * (CPU: this thread's own time, probe handling included, preemption excluded). */
@@ -57,6 +58,7 @@ static void cuda_iter(long i) {
     void *h = rt;
     F(int, cudaMalloc, void **, size_t);
     F(int, cudaMallocHost, void **, size_t);
+    F(int, cudaHostAlloc, void **, size_t, unsigned);
     F(int, cudaMemcpy, void *, const void *, size_t, int);
     F(int, cudaMemcpyAsync, void *, const void *, size_t, int, void *);
     F(int, cudaMemset, void *, int, size_t);
@@ -74,9 +76,10 @@ static void cuda_iter(long i) {
     F(int, cuLaunchKernel, void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
     F(int, cuLaunchKernelEx, const CUlaunchConfig *, void *, void **, void **);
     F(int, cuStreamSynchronize, void *);
-    void *d = 0, *host = 0, *args[1] = {0};
+    void *d = 0, *host = 0, *mapped = 0, *args[1] = {0};
     cudaMalloc(&d, 1 << 20);
-    cudaMallocHost(&host, 65536);
+    cudaMallocHost(&host, 65536);                 /* pinned host memory, not device memory */
+    cudaHostAlloc(&mapped, 32768, 2);             /* pinned too (cudaHostAllocMapped) */
     cudaMemcpy(d, host, 4096, 1);                 /* HtoD */
     cudaMemcpyAsync(host, d, 8192, 2, S);         /* DtoH */
     cudaMemcpy(d, d, 1000, 3);                    /* DtoD */
@@ -91,6 +94,7 @@ static void cuda_iter(long i) {
     cudaEventSynchronize((void *)0x7000);
     if (i % 2 == 0) cudaFree(d);                  /* odd iterations leak 1 MiB */
     cudaFreeHost(host);
+    if (i % 2 == 0) cudaFreeHost(mapped);         /* odd iterations leak 32 KiB of pinned memory */
     unsigned long long dd = 0;
     cuMemAlloc_v2(&dd, 2048);
     cuLaunchKernel((void *)0xf00d, 2, 3, 4, 64, 2, 1, 128, S, args, 0);
@@ -138,13 +142,15 @@ static void launch_iter(long i) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 6) { fprintf(stderr, "usage: workload cuda|nccl|launch LIBDIR ITERS RATE_HZ DELAY_MS [go]\n"); return 2; }
+    if (argc < 6) { fprintf(stderr, "usage: workload cuda|nccl|launch LIBDIR ITERS RATE_HZ 0|wait [go]\n"); return 2; }
     const char *mode = argv[1], *dir = argv[2];
-    long iters = atol(argv[3]), rate = atol(argv[4]), delay_ms = atol(argv[5]);
+    long iters = atol(argv[3]), rate = atol(argv[4]);
     int go = argc > 6 && strcmp(argv[6], "go") == 0;
-    if (delay_ms > 0) {
-        struct timespec t = {delay_ms / 1000, (delay_ms % 1000) * 1000000L};
-        nanosleep(&t, NULL);
+    if (strcmp(argv[5], "wait") == 0) {
+        char line[64];
+        printf("started\n");
+        fflush(stdout);
+        if (!fgets(line, sizeof line, stdin)) return 3;
     }
     if (strcmp(mode, "nccl") == 0) { nc = lib(dir, "libnccl.so.2"); iteration = nccl_iter; }
     else {
