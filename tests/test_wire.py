@@ -266,3 +266,83 @@ def test_schema_validation_names_a_wrongly_typed_column():
 def test_unknown_source_is_rejected():
     with pytest.raises(WireError, match="unknown source"):
         validate(decode(encode(metric_batch(2, source="martian"))))
+
+
+# ---- decompression bombs: a valid checksum over a small message whose buffers inflate to gigabytes ----
+
+def zstd_zeros(size: int) -> bytes:
+    """A real zstd frame of `size` zero bytes (512 MiB fit in ~16 KB), built in 1 MiB steps."""
+    sink = pa.BufferOutputStream()
+    chunk = bytes(1 << 20)
+    with pa.CompressedOutputStream(sink, "zstd") as out:
+        for _ in range(size >> 20):
+            out.write(chunk)
+        out.write(bytes(size & ((1 << 20) - 1)))
+    return sink.getvalue().to_pybytes()
+
+
+def replace_once(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert data.count(old) == 1, f"pattern {old.hex()} appears {data.count(old)} times"
+    return data.replace(old, new)
+
+
+def bomb(inflated: int, columns: int = 1, claimed_rows: int | None = None) -> bytes:
+    """A sealed message of 7-row float64 columns whose data buffers are each a zstd frame of
+    `inflated` zero bytes, declared honestly; `claimed_rows` rewrites the row count too.
+
+    Built from pyarrow's own message by swapping each buffer for the bomb and patching the
+    buffer table and body length in the record batch's flatbuffer (same-size int64 fields)."""
+    import struct
+    rows = 7
+    base = record_of(metric_batch(2))
+    record = pa.RecordBatch.from_arrays([pa.array(np.zeros(rows)) for _ in range(columns)],
+                                        names=[f"v{i}" for i in range(columns)]).replace_schema_metadata(base.schema.metadata)
+    data = sealed(record)
+    small = 8 + len(pa.Codec("zstd").compress(np.zeros(rows).tobytes(), asbytes=True))  # as pyarrow wrote each buffer
+    big_frame = struct.pack("<q", inflated) + zstd_zeros(inflated)
+    big = len(big_frame)
+    align = lambda n: (n + 7) & ~7  # noqa: E731
+    end = wire.arrow_wire.schema_end(memoryview(data))
+    meta_len = struct.unpack_from("<i", data, end + 4)[0]
+    meta, body_at = data[end + 8:end + 8 + meta_len], end + 8 + meta_len
+    for i in range(columns):
+        meta = replace_once(meta, struct.pack("<qq", i * align(small), small), struct.pack("<qq", i * align(big), big))
+    meta = replace_once(meta, struct.pack("<q", columns * align(small)), struct.pack("<q", columns * align(big)))
+    if claimed_rows is not None:
+        assert meta.count(struct.pack("<q", rows)) == columns + 1  # the batch's length and each column's
+        meta = meta.replace(struct.pack("<q", rows), struct.pack("<q", claimed_rows))
+    padded = big_frame + b"\0" * (align(big) - big)
+    eos = data[body_at + columns * align(small):]
+    return reseal(data[:end + 8] + meta + padded * columns + eos)
+
+
+def test_a_buffer_inflating_past_what_its_rows_need_is_refused_before_decompressing():
+    """512 MiB of zeros in ~16 KB, behind a valid checksum, in a batch of 7 rows (56 bytes a column)."""
+    pool = pa.default_memory_pool()
+    before = pool.max_memory()
+    rejects(bomb(512 << 20), "decompression bomb: buffer 1 declares 536870912 bytes uncompressed, over the 120")
+    assert pool.max_memory() - before < 16 << 20  # Arrow never allocated the 512 MiB
+
+
+def test_buffers_inflating_past_the_global_cap_are_refused_before_decompressing():
+    """Two 192 MiB buffers with a forged row count that would allow them one by one."""
+    pool = pa.default_memory_pool()
+    before = pool.max_memory()
+    rejects(bomb(192 << 20, columns=2, claimed_rows=1 << 40), "decompression bomb: the buffers declare 402653184 "
+            f"bytes uncompressed, over the {wire.arrow_wire.MAX_DECODED_BYTES}-byte limit")
+    assert pool.max_memory() - before < 16 << 20
+
+
+def test_a_bomb_under_both_bounds_is_decoded_within_them():
+    """The check is a bound, not a ban on compression: 7 rows of zeros declared honestly decode."""
+    batch = decode(bomb(56))
+    assert batch.count == 7 and not batch.columns["v0"].any()
+
+
+def test_a_schema_string_that_looks_like_the_checksum_placeholder_still_round_trips():
+    """The encoder writes the checksum where a placeholder "00000000" was; a host and a column
+    with that very name make the placeholder ambiguous, so it must find the right one."""
+    cols = dict(metric_batch(3, host="00000000").columns, **{"00000000": np.arange(3, dtype="<i8")})
+    batch = Batch("host", "00000000", cols)
+    back = decode(encode(batch))
+    assert back.host == "00000000" and back.columns["00000000"].tolist() == [0, 1, 2]
