@@ -92,12 +92,31 @@ def main() -> None:
                    lambda: validate(wire.decode(new_data, headers)), n), 4),
                "old_decode_us_per_event": round(best_us_per_event(lambda: old.decode(old_data, old_batch.kafka_headers()), n), 4)}
         row["decode_speedup_vs_old"] = round(row["old_decode_us_per_event"] / row["arrow_decode_validate_us_per_event"], 2)
+        # The floor under decode: Arrow reading the same message with no checks (its zstd
+        # decompression is most of it), and reading the same batch written uncompressed.
+        one_thread = pa.ipc.IpcReadOptions(use_threads=False)
+        row["arrow_read_only_us_per_event"] = round(best_us_per_event(
+            lambda: pa.ipc.open_stream(new_data, options=one_thread).read_next_batch(), n), 4)
+        record = pa.ipc.open_stream(new_data).read_next_batch()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, record.schema) as writer:
+            writer.write_batch(record)
+        plain = sink.getvalue()
+        row["uncompressed_arrow_bytes_per_event"] = round(plain.size / n, 2)
+        row["uncompressed_arrow_read_only_us_per_event"] = round(best_us_per_event(
+            lambda: pa.ipc.open_stream(plain, options=one_thread).read_next_batch(), n), 4)
         results["batches"].append(row)
         print(row, flush=True)
     at_10k = next(b for b in results["batches"] if b["events_per_batch"] == 10_000)
     results["kafka_bytes_per_event"] = at_10k["kafka_bytes_per_event"]
     results["kafka_bytes_per_event_note"] = ("at 10,000 events per batch, value plus Kafka headers; "
                                              "see batches for 1,000 and 100,000")
+    results["decode_goal"] = "arrow_decode_validate_us_per_event <= old_decode_us_per_event at 10,000 events per batch"
+    results["decode_goal_reached"] = at_10k["arrow_decode_validate_us_per_event"] <= at_10k["old_decode_us_per_event"]
+    results["decode_goal_note"] = (
+        "arrow_read_only_us_per_event is Arrow alone reading the zstd message with no fleetscope checks; when it "
+        "exceeds old_decode_us_per_event the goal cannot be met with zstd buffers, whatever the checks cost. "
+        "Uncompressed Arrow reads faster but needs uncompressed_arrow_bytes_per_event on Kafka (goal <= 12)")
     out = ROOT / "benchmarks" / "results" / "codec.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
