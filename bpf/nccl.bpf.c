@@ -8,6 +8,7 @@
  * stats, hits, lost, calls; count_lost, gpu_call_enter/take/record). */
 
 #define NONE ((u64)-1)
+#define INIT_ALL_MAX 16  /* ncclCommInitAll: communicators read per call (one per local GPU) */
 
 BPF_HASH(peer_bytes, struct gpu_sub_key, u64, 4096);        /* (pid, Send/Recv, peer) -> bytes */
 BPF_HASH(comms, struct gpu_sub_key, struct nccl_comm_info, 1024);  /* (pid, 0, comm) -> rank, nranks */
@@ -34,6 +35,13 @@ static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {  /* the nth s
     return v;
 }
 
+static __always_inline void note_comm(u32 pid, u64 comm, s32 rank, s32 nranks) {
+    struct gpu_sub_key ck = {.pid = pid, .sub = comm};
+    struct nccl_comm_info info = {.rank = rank, .nranks = nranks};
+    if (comms.update(&ck, &info) != 0)
+        count_lost();
+}
+
 int on_return(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct gpu_inflight f;
@@ -43,15 +51,23 @@ int on_return(struct pt_regs *ctx) {
     s32 rc = PT_REGS_RC(ctx);
     u32 pid = id >> 32;
     u64 bytes = 0;
-    if (f.api == API_ncclCommInitRank) {
-        u64 comm = 0;
-        if (rc == 0 && bpf_probe_read_user(&comm, sizeof(comm), (void *)f.arg[0]) == 0) {
-            struct gpu_sub_key ck = {.pid = pid, .sub = comm};
-            struct nccl_comm_info info = {.rank = (s32)f.arg[3], .nranks = (s32)f.arg[1]};
-            if (comms.update(&ck, &info) != 0)
-                count_lost();
-        }
+    if (f.api == API_ncclCommInitRank || f.api == API_ncclCommInitRankConfig || f.api == API_ncclCommSplit) {
+        u64 comm = 0;  /* a split with NCCL_SPLIT_NOCOLOR gives no communicator */
+        if (rc == 0 && bpf_probe_read_user(&comm, sizeof(comm), (void *)f.arg[0]) == 0 && comm)
+            note_comm(pid, comm, (s32)f.arg[3], (s32)f.arg[1]);
         f.arg[4] = comm;
+    } else if (f.api == API_ncclCommInitAll) {
+        u64 comm = 0, first = 0;
+        s32 ndev = (s32)f.arg[1];
+        for (int i = 0; i < INIT_ALL_MAX; i++) {
+            if (rc != 0 || i >= ndev || bpf_probe_read_user(&comm, sizeof(comm), (void *)(f.arg[0] + 8 * i)) != 0)
+                break;
+            if (i == 0)
+                first = comm;
+            if (comm)
+                note_comm(pid, comm, i, ndev);
+        }
+        f.arg[4] = first;
     } else if (f.api != API_ncclGroupStart && f.api != API_ncclGroupEnd) {
         bytes = f.arg[0] * dtype_size(f.arg[1]);
         if (f.api == API_ncclSend || f.api == API_ncclRecv) {
@@ -110,6 +126,23 @@ static __always_inline int on_ncclCommInitRank(struct pt_regs *ctx) {
                  0, NONE);
 }
 
+/* ncclCommInitRankConfig(comm *out, nranks, ncclUniqueId (stack), rank, config): as ncclCommInitRank. */
+static __always_inline int on_ncclCommInitRankConfig(struct pt_regs *ctx) {
+    return enter(API_ncclCommInitRankConfig, PT_REGS_PARM1(ctx), (s32)PT_REGS_PARM2(ctx), NONE,
+                 (s32)PT_REGS_PARM3(ctx), 0, NONE);
+}
+/* ncclCommSplit(parent, color, key, comm *out, config). NCCL orders the new ranks by key, and
+ * PyTorch passes the rank in the new group as the key, so the key is the new rank; the size is
+ * not an argument (-1: unknown). Record: [out, -1, color, key, comm at return, parent]. */
+static __always_inline int on_ncclCommSplit(struct pt_regs *ctx) {
+    return enter(API_ncclCommSplit, PT_REGS_PARM4(ctx), (u64)-1, (s32)PT_REGS_PARM2(ctx), (s32)PT_REGS_PARM3(ctx),
+                 0, PT_REGS_PARM1(ctx));
+}
+/* ncclCommInitAll(comm *comms, ndev, devlist): comms[i] is rank i of ndev. Record: [comms, ndev, ..., comms[0]]. */
+static __always_inline int on_ncclCommInitAll(struct pt_regs *ctx) {
+    return enter(API_ncclCommInitAll, PT_REGS_PARM1(ctx), (s32)PT_REGS_PARM2(ctx), NONE, NONE, 0, NONE);
+}
+
 /* The one entry program of every link: the probe's BPF cookie names the API
  * (its id in the tracer's table; bit 63 marks a driver call). */
 int on_call(struct pt_regs *ctx) {
@@ -124,6 +157,9 @@ int on_call(struct pt_regs *ctx) {
     case API_ncclGroupStart: return on_ncclGroupStart(ctx);
     case API_ncclGroupEnd: return on_ncclGroupEnd(ctx);
     case API_ncclCommInitRank: return on_ncclCommInitRank(ctx);
+    case API_ncclCommInitRankConfig: return on_ncclCommInitRankConfig(ctx);
+    case API_ncclCommSplit: return on_ncclCommSplit(ctx);
+    case API_ncclCommInitAll: return on_ncclCommInitAll(ctx);
     }
     return 0;
 }

@@ -74,6 +74,44 @@ def test_every_call_bytes_per_datatype_peers_comm_and_return_codes(make):
     assert tracer.hits() == {"collectives": 9 * ITERS + 1}  # 7 calls + GroupStart/End per iteration
 
 
+def test_communicators_made_as_pytorch_makes_them_are_mapped_and_peer_bytes_flow(make):
+    """ncclCommInitRankConfig (ProcessGroupNCCL's init), ncclCommSplit (new_group with a split
+    parent; PyTorch passes the new group rank as the key) and ncclCommInitAll (one process,
+    many GPUs): each communicator's rank is known, and its size where the call carries it."""
+    make_tracer, make_workload = make
+    tracer = make_tracer(detail=True)
+    w = make_workload("nccl_torch", ITERS, 0, env={"GPU_STUB_RC": "ncclSend=0"})
+    w.loaded()
+    assert tracer.add_pid(w.pid)
+    w.go()
+    assert w.finish()[0] == ITERS
+    batch = tracer.sample()
+    by_api = {}
+    for r in tracer.records:
+        by_api.setdefault(r["api"][4:], []).append(r)
+    assert {k: len(v) for k, v in by_api.items() if k.startswith("Comm")} == \
+        {"CommInitRankConfig": 1, "CommSplit": 2, "CommInitAll": 1}
+    init = by_api["CommInitRankConfig"][0]
+    assert (init["rank"], init["nranks"], init["rc"]) == (2, 4, 0) and init["comm"]
+    member, left_out = sorted(by_api["CommSplit"], key=lambda r: r["color"], reverse=True)
+    assert (member["parent"], member["color"], member["rank"]) == (init["comm"], 7, 1) and member["comm"]
+    assert (left_out["color"], left_out["comm"]) == (-1, 0)  # NCCL_SPLIT_NOCOLOR: no communicator
+    got = index([batch], w.pid)
+    ranks = {k[1]: v for k, v in got.items() if k[0] == "nccl.comm_rank"}
+    sizes = {k[1]: v for k, v in got.items() if k[0] == "nccl.comm_nranks"}
+    world, sub = f"0x{init['comm']:x}", f"0x{member['comm']:x}"
+    assert ranks[world] == 2 and sizes[world] == 4
+    assert ranks[sub] == 1 and sub not in sizes  # a split's size is not an argument
+    pair = {c: r for c, r in ranks.items() if c not in (world, sub)}
+    assert sorted(pair.values()) == [0, 1] and all(sizes[c] == 2 for c in pair)  # ncclCommInitAll's two
+    assert len(ranks) == 4
+    # point-to-point on the split communicator still counts per peer
+    assert {(r["comm"], r["peer"]) for r in by_api["Send"]} == {(member["comm"], 3)}
+    assert got[("nccl.peer_bytes", "Send:peer3")] == 256 * ITERS
+    assert got[("nccl.peer_bytes", "Recv:peer1")] == 64 * ITERS
+    assert got[("nccl.calls", "AllReduce")] == ITERS and got[("nccl.lost_events", "all")] == 0
+
+
 def test_attach_after_start_and_exit_mid_trace(make):
     make_tracer, make_workload = make
     w = make_workload("nccl", -1, 200, wait_for_go=False)

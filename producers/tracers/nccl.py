@@ -2,12 +2,18 @@
 
 Rows (source "nccl"), per pid:
 - per call (device "AllReduce", "AllGather", "ReduceScatter", "Broadcast",
-  "Reduce", "Send", "Recv", and "GroupStart"/"GroupEnd"/"CommInitRank"):
+  "Reduce", "Send", "Recv", and "GroupStart"/"GroupEnd"/"CommInitRank"/
+  "CommInitRankConfig"/"CommSplit"/"CommInitAll"):
   nccl.calls, nccl.dur_ns, nccl.errors, nccl.bytes (count x datatype size,
   collectives only), nccl.lat_p50_ns, nccl.lat_p99_ns (see gpu_calls.py);
 - nccl.peer_bytes, device "Send:peer<N>" / "Recv:peer<N>";
 - nccl.comm_rank, nccl.comm_nranks (gauges, device = the ncclComm_t in hex),
-  from each successful ncclCommInitRank, every sample while the process lives;
+  every sample while the process lives, from each successful
+  ncclCommInitRank and ncclCommInitRankConfig (PyTorch's way), from
+  ncclCommInitAll (comms[i] is rank i of ndev) and from ncclCommSplit: NCCL
+  orders a split's ranks by key and PyTorch passes the new group rank as the
+  key, so the rank is the key; the size is not an argument, so a split
+  communicator has no nccl.comm_nranks row;
 - nccl.lost_events.
 
 NCCL calls enqueue work on a stream: their duration is the host-side call
@@ -39,7 +45,8 @@ class NcclTracer(GpuCallTracer):
     RETURN_PROBES = {r"nccl\w+": "the NCCL API is C: every failure is an ncclResult_t return value (NCCL's "
                                   "C++ internals catch their own exceptions at the API boundary)"}
     APIS = (*(_api(c) for c in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Send", "Recv")),
-            *(_api(c, has_bytes=False) for c in ("GroupStart", "GroupEnd", "CommInitRank")))
+            *(_api(c, has_bytes=False) for c in ("GroupStart", "GroupEnd", "CommInitRank", "CommInitRankConfig",
+                                                 "CommSplit", "CommInitAll")))
     PID_MAPS = ("stats", "peer_bytes", "comms")
 
     def _extra_rows(self, interval, fracs):
@@ -49,12 +56,18 @@ class NcclTracer(GpuCallTracer):
         rows = self._sum_rows(b"peer_bytes", "_prev_peers", peer_label, "nccl.peer_bytes", interval, fracs)
         for k, info in self.bpf[b"comms"].items():
             comm, pid = f"0x{k.sub:x}", int(k.pid)
-            rows += [("nccl.comm_rank", comm, info.rank, pid, 0, 1.0), ("nccl.comm_nranks", comm, info.nranks, pid, 0, 1.0)]
+            rows.append(("nccl.comm_rank", comm, info.rank, pid, 0, 1.0))
+            if info.nranks >= 0:  # a split's size is unknown
+                rows.append(("nccl.comm_nranks", comm, info.nranks, pid, 0, 1.0))
         return rows
 
     def _decode(self, api: Api, pid: int, a: list[int]) -> dict:
-        if api.device == "CommInitRank":
+        if api.device in ("CommInitRank", "CommInitRankConfig"):
             return {"comm": a[4], "nranks": _signed(a[1]), "rank": _signed(a[3])}
+        if api.device == "CommSplit":
+            return {"comm": a[4], "parent": a[5], "color": _signed(a[2]), "rank": _signed(a[3])}
+        if api.device == "CommInitAll":
+            return {"comm": a[4], "nranks": _signed(a[1])}  # the first of nranks; each is in the comms map
         if api.device in ("GroupStart", "GroupEnd"):
             return {}
         name, size = DTYPES.get(a[1], (f"dtype{a[1]}", 0))

@@ -3,7 +3,9 @@
  * test can predict every call, argument and byte count.
  *
  *   workload MODE LIBDIR ITERS RATE_HZ LOAD [go]
- *     MODE      cuda | nccl | launch (a tight cudaLaunchKernel loop, for the benchmark)
+ *     MODE      cuda | nccl | nccl_torch (communicators made as PyTorch makes them:
+ *               ncclCommInitRankConfig, then ncclCommSplit, and ncclCommInitAll) |
+ *               launch (a tight cudaLaunchKernel loop, for the benchmark)
  *     ITERS     iterations; -1 runs until killed
  *     RATE_HZ   iterations per second; 0 = as fast as possible
  *     LOAD      0: dlopen at once; wait: print "started", dlopen when a line arrives on
@@ -52,6 +54,7 @@ static long clock_ns(clockid_t c) {
 #define F(ret, name, ...) ret (*name)(__VA_ARGS__) = sym(h, #name)
 
 static void (*iteration)(long i);
+static int torch_style;  /* nccl_torch mode */
 static void *rt, *drv, *nc;
 
 static void cuda_iter(long i) {
@@ -116,12 +119,25 @@ static void nccl_iter(long i) {
     F(int, ncclRecv, void *, size_t, int, int, void *, void *);
     F(int, ncclGroupStart, void);
     F(int, ncclGroupEnd, void);
-    static void *comm;
+    F(int, ncclCommInitRankConfig, void **, int, ncclUniqueId, int, void *);
+    F(int, ncclCommSplit, void *, int, int, void **, void *);
+    F(int, ncclCommInitAll, void **, int, const int *);
+    static void *comm, *p2p;
     static char buf[8192];
     if (i == 0) {
         ncclUniqueId id;
         memset(&id, 0x11, sizeof id);
-        ncclCommInitRank(&comm, 4, id, 2);
+        if (torch_style) {
+            char config[64] = {0};                           /* an ncclConfig_t, as NCCL_CONFIG_INITIALIZER */
+            void *left_out = (void *)1, *pair[2] = {0};
+            ncclCommInitRankConfig(&comm, 4, id, 2, config);  /* rank 2 of 4 */
+            ncclCommSplit(comm, 7, 1, &p2p, config);          /* a subgroup: rank 1 (the key) */
+            ncclCommSplit(comm, -1, 0, &left_out, config);    /* NCCL_SPLIT_NOCOLOR: not a member */
+            ncclCommInitAll(pair, 2, NULL);                   /* single-process: ranks 0 and 1 of 2 */
+        } else {
+            ncclCommInitRank(&comm, 4, id, 2);
+            p2p = comm;
+        }
     }
     ncclAllReduce(buf, buf, 1000, 7, 0, comm, S);     /* float32: 4000 B */
     ncclAllGather(buf, buf, 256, 6, comm, S);         /* float16: 512 B */
@@ -129,8 +145,8 @@ static void nccl_iter(long i) {
     ncclBroadcast(buf, buf, 10, 0, 1, comm, S);       /* int8: 10 B, root 1 */
     ncclReduce(buf, buf, 50, 4, 2, 0, comm, S);       /* int64: 400 B, max, root 0 */
     ncclGroupStart();
-    ncclSend(buf, 64, 2, 3, comm, S);                 /* int32: 256 B to peer 3 */
-    ncclRecv(buf, 32, 9, 1, comm, S);                 /* bfloat16: 64 B from peer 1 */
+    ncclSend(buf, 64, 2, 3, p2p, S);                  /* int32: 256 B to peer 3 */
+    ncclRecv(buf, 32, 9, 1, p2p, S);                  /* bfloat16: 64 B from peer 1 */
     ncclGroupEnd();
 }
 
@@ -152,7 +168,11 @@ int main(int argc, char **argv) {
         fflush(stdout);
         if (!fgets(line, sizeof line, stdin)) return 3;
     }
-    if (strcmp(mode, "nccl") == 0) { nc = lib(dir, "libnccl.so.2"); iteration = nccl_iter; }
+    if (strncmp(mode, "nccl", 4) == 0) {
+        nc = lib(dir, "libnccl.so.2");
+        iteration = nccl_iter;
+        torch_style = strcmp(mode, "nccl_torch") == 0;
+    }
     else {
         rt = lib(dir, "libcudart.so.12");
         if (strcmp(mode, "cuda") == 0) { drv = lib(dir, "libcuda.so.1"); iteration = cuda_iter; }
