@@ -3,8 +3,9 @@
 One place, derived from the builders' own name tables where they have them.
 ``rank``: on a rank's own window (the model's vector, so peer z-scores exist).
 ``node``: on a node's window only (host counters, device-level NVML), joined
-into a flagged rank's vector as evidence: a KB rule can read the value, but no
-peer z-score of it is ever computed. tests/test_feature_catalogue.py checks
+into a rank's vector as evidence: a KB rule can read the value, and the
+JOINED_FEATURES among them get a peer z-score across the job's ranks
+(streams/rank_context.py); LOUD_FEATURES come from the loud-failure checks. tests/test_feature_catalogue.py checks
 this table against what the builders emit on real windows; the KB loader
 (diagnosis/kb.py) checks every entry against it.
 """
@@ -21,14 +22,18 @@ _MEMORY = ("mem_used_frac", "thp_coverage_frac", "hugepages_used_frac", "numa_mi
 _IO = ("irq_per_s", "net_rx_bytes_per_s", "net_tx_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s",
        "context_switches_per_s")
 _AGENT = ("agent_dropped_events", "agent_delivery_errors", "agent_spooled")
+_GPU_FAULTS = ("gpu_xid_count", "gpu_xid_last_code", "gpu_xid_gpu", "gpu_ecc_dbe_count", "gpu_ecc_uncorrected",
+               "gpu_row_remap_pending")
 
 BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "host_features": {"rank": (), "node": _CPU + _MEMORY + _IO + _AGENT},
     "gpu_features": {"rank": ("gpu_energy_j", "gpu_proc_sm_util", "gpu_proc_mem_bytes"),
                      "node": ("gpu_energy_j", "gpu_util", "gpu_power_w", "gpu_ofu", "gpu_tensor_util",
-                              "gpu_throttled")},
+                              "gpu_throttled", "gpu_temp_c", "gpu_sm_clock_mhz", *_GPU_FAULTS)},
+    # the kernel tracer's node-wide rows (retransmits, per-CPU IRQs) land on the node's window
     "kernel_features": {"rank": ("offcpu_threads", "runq_wait_threads", "ctx_switches_per_s",
-                                 "tcp_retransmits_per_s", "irq_traced_per_s"), "node": ()},
+                                 "tcp_retransmits_per_s", "irq_traced_per_s"),
+                        "node": ("tcp_retransmits_per_s", "irq_traced_per_s", "irq_max_cpu_share")},
     "proc_features": {"rank": tuple(name for _, name, _ in RATES) + tuple(name for _, name in GAUGES), "node": ()},
     "cuda_features": {"rank": ("cuda_launch_per_s", "cuda_sync_frac", "cuda_memcpy_frac", "cuda_memcpy_bytes_per_s",
                                "cuda_memcpy_htod_bytes_per_s", "cuda_memcpy_lat_p50_ns", "cuda_memcpy_lat_p99_ns",
@@ -47,4 +52,12 @@ BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
 
 RANK_FEATURES = frozenset(n for b in BUILDERS.values() for n in b["rank"])
 NODE_FEATURES = frozenset(n for b in BUILDERS.values() for n in b["node"])
-ALL_FEATURES = RANK_FEATURES | NODE_FEATURES
+# Node features the scorer joins into each rank's vector (streams/rank_context.py: the rank's own GPU's
+# where its NVML process rows name it) and compares across the job's ranks with a peer z of their own.
+JOINED_FEATURES = frozenset(("gpu_util", "gpu_power_w", "gpu_ofu", "gpu_throttled", "gpu_temp_c", "gpu_sm_clock_mhz",
+                             "thp_coverage_frac", "page_faults_per_s", "numa_miss_ratio", "irq_max_cpu_share",
+                             "cpu_softirq_frac", "cpu_busy_frac")) & NODE_FEATURES
+# Derived by the scorer's loud-failure checks (streams/model/loud.py), on the rank they blame.
+LOUD_FEATURES = frozenset(("rank_vanished", "collective_stalled", "gpu_ecc_new_errors"))
+PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES
+ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES

@@ -19,8 +19,8 @@ import base64
 import json
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,11 +29,20 @@ from fleetscope.schema import NODE_TENANT
 from fleetscope.wire import Batch, StrColumn
 from fleetscope.streams.model import JobModel, ModelConfig
 from fleetscope.streams.model.ensemble import DETECTORS, Rule
-from fleetscope.streams.model.roles import WAITING, assign_roles
+from fleetscope.streams.model.config import WindowScore
+from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
+from fleetscope.streams.model.roles import CULPRIT, JOB, WAITING, assign_roles
+from fleetscope.streams.rank_context import RankContext, joined_peer_z
+from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
 from fleetscope.streams.sinks import token
 
 log = logging.getLogger(__name__)
-NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
+
+
+class VanishedWindow(NamedTuple):
+    """The window a rank should have sent: scored and flagged on its behalf (model/loud.py)."""
+    key: tuple
+    start_ns: int
 
 
 @dataclass
@@ -69,7 +78,8 @@ class Scorer:
         self.diagnoser = diagnoser
         self.models: dict[tuple[str, str], JobModel] = {}
         self.saved_at: dict[tuple[str, str], float] = {}
-        self.node: OrderedDict[tuple[str, int], dict] = OrderedDict()
+        self.context = RankContext()
+        self.loud = LoudFailures()
         self.stats = ScoringStats()
 
     # ---- models ---------------------------------------------------------------
@@ -118,9 +128,7 @@ class Scorer:
         steps: dict[tuple[str, str, int], list[tuple[object, dict]]] = {}
         for w, v in zip(windows, vectors):
             if w.key[0] == NODE_TENANT:
-                self.node[(w.key[2], w.start_ns)] = v
-                if len(self.node) > NODE_CACHE:
-                    self.node.popitem(last=False)
+                self.context.remember(w, v)
             else:
                 steps.setdefault((w.key[0], w.key[1], w.start_ns), []).append((w, v))
         if not steps:
@@ -137,19 +145,7 @@ class Scorer:
             results = model.process_window(start, rows)
             self.stats.features_admitted += model.stats["features_admitted"] - admitted
             self.stats.steps += 1
-            step = assign_roles([w.key[3] for w, _ in members], [v for _, v in members],
-                                [s.is_anomaly for s in results])
-            for i in step.promoted:
-                results[i].is_anomaly = True
-                results[i].detectors.append("wait")
-            self.stats.promoted += len(step.promoted)
-            for (w, v), s, role in zip(members, results, step.roles):
-                scored.append((w, s, role))
-                if s.is_anomaly:
-                    node = self.node.get((w.key[2], start))
-                    if node is None:
-                        self.stats.node_join_misses += 1
-                    flagged.append((w, s, {**(node or {}), **v}, role, step.culprit_ranks))
+            self._judge(tenant, job, start, members, results, scored, flagged)
         self.stats.scored += len(scored)
         self.stats.anomalies += len(flagged)
         now = time.time_ns()
@@ -157,6 +153,48 @@ class Scorer:
         if flagged:
             self._store_anomalies(flagged, now)
         self.checkpoint()
+
+    def _judge(self, tenant, job, start, members, results, scored, flagged) -> None:
+        """Roles (model/roles.py) and loud failures (model/loud.py) of one scored job step."""
+        evidence, unjoined = [], set()
+        for i, (w, v) in enumerate(members):
+            node = self.context.joined(w)
+            if node is None:
+                unjoined.add(i)
+            evidence.append({**(node or {}), **v})
+        joined_z = joined_peer_z(evidence)
+        step = assign_roles([w.key[3] for w, _ in members], [v for _, v in members],
+                            [s.is_anomaly for s in results])
+        roles = list(step.roles)
+        for i in step.promoted:
+            results[i].is_anomaly = True
+            results[i].detectors.append("wait")
+        self.stats.promoted += len(step.promoted)
+        ghosts, explained = [], {}
+        for f in self.loud.step((tenant, job), [(w.key[2], w.key[3]) for w, _ in members], evidence):
+            if f.index is None:   # a vanished rank: a row of its own, in the window it went silent
+                ghost = VanishedWindow((tenant, job, f.host, f.rank), start)
+                ghosts.append((ghost, WindowScore(f.rank, float("nan"), None, True, [f.kind], warm=True),
+                               f.features))
+                continue
+            s = results[f.index]
+            if not s.is_anomaly:   # the loud signal alone made it anomalous: it is the explanation
+                explained[f.index] = {k: 1.0 for k in f.features or (KIND_FEATURE[f.kind],)}
+            s.is_anomaly = True
+            if f.kind not in s.detectors:
+                s.detectors.append(f.kind)
+            evidence[f.index].update(f.features)
+            roles[f.index] = JOB if f.kind == "hung" else CULPRIT
+        culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
+                          | {g.key[3] for g, _, _ in ghosts})
+        for i, ((w, _), s) in enumerate(zip(members, results)):
+            scored.append((w, s, roles[i] if s.is_anomaly else ""))
+            if s.is_anomaly:
+                self.stats.node_join_misses += i in unjoined
+                flagged.append((w, s, evidence[i], roles[i], culprits, joined_z[i], explained.get(i, {})))
+        for ghost, s, features in ghosts:
+            scored.append((ghost, s, CULPRIT))
+            flagged.append((ghost, s, features, CULPRIT, culprits, {}, features))
 
     def _store_scores(self, scored, now: int) -> None:
         n = len(scored)
@@ -183,7 +221,8 @@ class Scorer:
                                       value=wire.encode(batch), headers=batch.kafka_headers())
 
     def _store_anomalies(self, flagged, now: int) -> None:
-        anomalies = [anomaly_record(w, s, vector, role, culprits) for w, s, vector, role, culprits in flagged]
+        anomalies = [anomaly_record(w, s, vector, role, culprits, joined_z, loud)
+                     for w, s, vector, role, culprits, joined_z, loud in flagged]
         rows = {"tenant": [a["tenant"] for a in anomalies], "job": [a["job"] for a in anomalies],
                 "host": [a["host"] for a in anomalies], "rank": np.array([a["rank"] for a in anomalies], dtype=np.int32),
                 "window_start": np.array([a["window_start_ns"] for a in anomalies], dtype=np.int64),
@@ -208,20 +247,24 @@ class Scorer:
         if self.producer is not None:
             for a in alerts:
                 self.producer.produce(self.cfg.topic("anomalies"), key=f"{a['tenant']}/{a['job']}".encode(),
-                                      value=json.dumps(a).encode(), headers=[("fs-schema", b"json/1")])
+                                      value=json.dumps(a).encode(), headers=schema_header(ANOMALY_SCHEMA))
             for m in out.messages:
                 self.producer.produce(self.cfg.topic("diagnoses"), key=f"{m['tenant']}/{m['job']}".encode(),
-                                      value=json.dumps(m, default=float).encode(), headers=[("fs-schema", b"json/1")])
+                                      value=json.dumps(m, default=float).encode(),
+                                      headers=schema_header(DIAGNOSIS_SCHEMA))
 
 
-def anomaly_record(w, s, vector: dict, role: str = "", culprits=()) -> dict:
+def anomaly_record(w, s, vector: dict, role: str = "", culprits=(), joined_z=None, loud=None) -> dict:
     """A flagged window as streams.diagnosis.Anomaly's fields (plain JSON types)."""
     return {"tenant": w.key[0], "job": w.key[1], "host": w.key[2], "rank": int(w.key[3]),
             "window_start_ns": int(w.start_ns), "role": role, "culprit_ranks": [int(r) for r in culprits],
             "score": float(s.score),
             "threshold": float(s.threshold) if s.threshold is not None else float("nan"),
-            "detectors": list(s.detectors), "contributions": {k: float(v) for k, v in s.contributions.items()},
-            "peer_z": {k: float(v) for k, v in s.peer_z.items()},
+            "detectors": list(s.detectors),
+            "contributions": {**{k: float(v) for k, v in s.contributions.items()},
+                              **{k: float(v) for k, v in (loud or {}).items()}},
+            "peer_z": {**{k: float(v) for k, v in (joined_z or {}).items()},
+                       **{k: float(v) for k, v in s.peer_z.items()}},
             "features": {k: float(v) for k, v in vector.items()}}
 
 
@@ -235,5 +278,8 @@ def scores_batch(worker_host: str, scored) -> Batch:
             "threshold": np.array([np.nan if s.threshold is None else s.threshold for _, s, _ in scored],
                                   dtype="<f8"),
             "is_anomaly": np.array([s.is_anomaly for _, s, _ in scored], dtype="<u1"),
-            "role": StrColumn.of([role for _, _, role in scored])}
+            "role": StrColumn.of([role for _, _, role in scored]),
+            "detectors": StrColumn.of([",".join(s.detectors) for _, s, _ in scored]),
+            "warm": np.array([s.warm for _, s, _ in scored], dtype="<u1"),
+            "emitted_at_ns": np.full(len(scored), time.time_ns(), dtype="<i8")}
     return Batch("scores", worker_host, cols)

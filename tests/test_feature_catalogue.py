@@ -51,7 +51,13 @@ NODE_ROWS = {
     "agent": [(f"agent.{s}", "all", 0, 0) for s in ("dropped_events", "delivery_errors", "spooled")],
     "nvml": [("nvml.energy_j", "0", 100, TICK)]
             + [(m, "0", 50, 0) for m in ("nvml.gpu_util", "nvml.power_w", "nvml.ofu", "nvml.gpm.tensor_util",
-                                         "nvml.throttle.sw_power_cap")],
+                                         "nvml.throttle.sw_power_cap")]
+            # the sampler's temperature, clock and ECC gauges, and the XidWatcher's event rows (device gpu<N>)
+            + [(m, "gpu0", 1, 0) for m in ("nvml.temp_c", "nvml.sm_clock_mhz", "nvml.xid", "nvml.event.dbe_ecc",
+                                           "nvml.ecc.uncorrected_volatile", "nvml.remapped_rows.pending")],
+    # the kernel tracer's node-wide rows: retransmits and hard IRQs per CPU
+    "kernel": [("kernel.tcp_retransmits", "10.0.0.1:1->10.0.0.2:2", 1, TICK), ("kernel.irq_count", "cpu0", 30, TICK),
+               ("kernel.irq_count", "cpu1", 10, TICK)],
 }
 
 

@@ -19,7 +19,10 @@ from fleetscope.streams.diagnosis.matcher import diagnose
 
 REQUIRED = {"gpu_power_thermal_throttling", "numa_misplacement", "irq_locality_miss", "huge_page_coverage_loss",
             "cpu_contention_noisy_neighbour", "straggler_rank", "slow_degraded_link", "h2d_copy_stall_pageable",
-            "gpu_memory_leak", "dataloader_input_stall", "python_gc_storm", "xid_hardware_error"}
+            "gpu_memory_leak", "dataloader_input_stall", "python_gc_storm", "xid_hardware_error",
+            # issue 16: the loud failures, and the software causes behind most real stragglers
+            "hung_collective", "crashed_rank", "gpu_ecc_row_remap", "pipeline_stage_imbalance",
+            "sequence_length_imbalance"}
 
 HEALTHY = {
     "cpu_busy_frac": 0.45, "cpu_user_frac": 0.35, "cpu_system_frac": 0.05, "cpu_iowait_frac": 0.01,
@@ -29,7 +32,7 @@ HEALTHY = {
     "net_tx_bytes_per_s": 1e8, "disk_read_bytes_per_s": 1e6, "disk_write_bytes_per_s": 1e6,
     "context_switches_per_s": 30000.0, "agent_dropped_events": 0.0,
     "offcpu_threads": 2.0, "ctx_switches_per_s": 5000.0, "tcp_retransmits_per_s": 0.0, "irq_traced_per_s": 5000.0,
-    "irq_rank_cpu_share": 0.05, "tcp_tx_bytes_per_s": 1e8, "tcp_rx_bytes_per_s": 1e8,
+    "irq_max_cpu_share": 0.1, "tcp_tx_bytes_per_s": 1e8, "tcp_rx_bytes_per_s": 1e8,
     "gpu_util": 95.0, "gpu_proc_sm_util": 90.0, "gpu_power_w": 600.0, "gpu_ofu": 0.4, "gpu_tensor_util": 0.5,
     "gpu_energy_j": 600.0, "gpu_proc_mem_bytes": 60e9, "gpu_throttled": 0.0, "gpu_sm_clock_mhz": 1980.0,
     "gpu_xid_count": 0.0, "gpu_temp_c": 65.0,
@@ -70,10 +73,12 @@ CASES: dict[str, tuple[list, list]] = {
         [({"numa_miss_ratio": 0.04}, {"numa_miss_ratio": 5}),            # relative jump, tiny absolute
          ({"numa_miss_ratio": 0.15}, {"numa_miss_ratio": 0.3})],         # mild, host-wide, below 0.3
     ),
-    "irq_locality_miss": (
-        [({"irq_rank_cpu_share": 0.7, "cpu_softirq_frac": 0.12}, {"irq_rank_cpu_share": 8, "offcpu_threads": 3})],
-        [({"irq_rank_cpu_share": 0.2, "cpu_softirq_frac": 0.1}, {"irq_rank_cpu_share": 3}),
-         ({"irq_rank_cpu_share": 0.5}, {"irq_rank_cpu_share": 0.5})],   # many IRQs there, but no cost seen
+    "irq_locality_miss": (    # no rank -> CPU mapping is reported: the node's IRQ concentration and the
+        # rank being the one preempted (see the entry's comment)
+        [({"irq_max_cpu_share": 0.8, "cpu_softirq_frac": 0.12},
+          {"offcpu_threads": 4, "proc_invol_ctx_per_s": 5, "irq_max_cpu_share": 3})],
+        [({"irq_max_cpu_share": 0.2, "cpu_softirq_frac": 0.1}, {"offcpu_threads": 4}),   # IRQs spread out
+         ({"irq_max_cpu_share": 0.8}, {"offcpu_threads": 0.5})],   # concentrated, but no rank pays for it
     ),
     "huge_page_coverage_loss": (
         [({"thp_coverage_frac": 0.1, "page_faults_per_s": 80000}, {"thp_coverage_frac": -7, "page_faults_per_s": 5})],
@@ -125,6 +130,32 @@ CASES: dict[str, tuple[list, list]] = {
     "xid_hardware_error": (
         [({"gpu_xid_count": 2, "cuda_errors_per_s": 5}, {"gpu_xid_count": 10, "cuda_errors_per_s": 6})],
         [({"cuda_errors_per_s": 100}, {"cuda_errors_per_s": 8})],       # API errors alone are no hardware fault
+    ),
+    "gpu_ecc_row_remap": (
+        [({"gpu_ecc_dbe_count": 1, "gpu_ecc_new_errors": 1}, {}, {"gpu_ecc_new_errors": 1.0}),
+         ({"gpu_row_remap_pending": 2, "gpu_ecc_uncorrected": 3}, {}, {"gpu_row_remap_pending": 1.0})],
+        [({"gpu_ecc_uncorrected": 3}, {}, {"gpu_util": 1.0})],     # an old count, nothing new, nothing pending
+    ),
+    "hung_collective": (
+        [({"collective_stalled": 1}, {}, {"collective_stalled": 1.0})],
+        [({"nccl_calls_per_s": 0.5}, {"nccl_calls_per_s": -4})],    # slow collectives are not a hang
+    ),
+    "crashed_rank": (
+        [({"rank_vanished": 1}, {}, {"rank_vanished": 1.0})],
+        [({"torch_ops_per_s": 10}, {"torch_ops_per_s": -8})],       # a rank that slowed down still reports
+    ),
+    "pipeline_stage_imbalance": (
+        [({"torch_op_time_frac": 0.9, "torch_ops_per_s": 9000, "torch_comm_wait_frac": 0.02},
+          {"torch_op_time_frac": 6, "torch_ops_per_s": 5, "torch_comm_wait_frac": -7})],
+        [({"torch_op_time_frac": 0.9}, {"torch_op_time_frac": 6, "torch_comm_wait_frac": -7}),  # same op count
+         ({"torch_ops_per_s": 9000}, {"torch_ops_per_s": 5, "torch_comm_wait_frac": -7})],     # ops, not time
+    ),
+    "sequence_length_imbalance": (
+        [({"torch_op_time_frac": 0.9, "torch_comm_wait_frac": 0.02},
+          {"torch_op_time_frac": 6, "torch_comm_wait_frac": -7, "torch_ops_per_s": 0.4})],
+        [({"torch_op_time_frac": 0.9}, {"torch_op_time_frac": 6, "torch_ops_per_s": 5,
+                                        "torch_comm_wait_frac": -7}),   # more ops: more layers, not longer batches
+         ({"torch_op_time_frac": 0.9}, {"torch_op_time_frac": 6})],     # computes more but nobody waits for it
     ),
 }
 
@@ -265,12 +296,6 @@ def test_a_cpu_only_job_can_match_an_entry_whose_gpu_condition_it_cannot_answer(
 
 # ---- the KB against the feature catalogue (streams/feature_catalogue.py) ------------
 
-NOT_REACHABLE_YET = {
-    "xid_hardware_error": ("gpu_xid_count",),
-    "irq_locality_miss": ("irq_rank_cpu_share",),
-    "gpu_power_thermal_throttling": ("gpu_temp_c", "peer_z.gpu_sm_clock_mhz", "peer_z.gpu_power_w"),
-    "huge_page_coverage_loss": ("peer_z.thp_coverage_frac", "peer_z.page_faults_per_s"),
-}
 
 
 @pytest.mark.parametrize("where, mutate", [
@@ -288,35 +313,43 @@ def test_a_feature_no_builder_emits_is_a_load_error_naming_file_and_feature(tmp_
     assert "demo.yaml" in text and "'cpu_busy_fraction'" in text and where in text, text
 
 
-def test_the_four_entries_waiting_for_features_load_as_not_reachable_yet(kb):
-    assert {n: e.missing for n, e in kb.items() if not e.reachable} == NOT_REACHABLE_YET
-    assert all(e.reachable and not e.missing for n, e in kb.items() if n not in NOT_REACHABLE_YET)
+def test_every_entry_is_reachable(kb):
+    """Issue 16 computed what the four waiting entries needed (Xid count, GPU temperature and clock, peer z
+    of the joined GPU and node features) and rewrote irq_locality_miss on what the pipeline emits."""
+    assert {n: e.missing for n, e in kb.items() if not e.reachable} == {}
 
 
 def test_rules_that_can_never_hold_must_say_what_they_wait_for(tmp_path):
-    """A peer z of a node-only feature is never computed: an entry resting on it alone must list it."""
+    """A peer z of a node feature the scorer does not join and compare is never computed: an entry resting
+    on it alone must list it."""
     doc = _good()
-    doc["rules"] = {"all": [{"peer_z": "thp_coverage_frac", "op": "<=", "value": -3}]}
+    doc["rules"] = {"all": [{"peer_z": "hugepages_used_frac", "op": "<=", "value": -3}]}
     _write(tmp_path, "demo", doc)
-    with pytest.raises(KBError, match=r"demo.yaml: rules can never hold.*peer_z.thp_coverage_frac"):
+    with pytest.raises(KBError, match=r"demo.yaml: rules can never hold.*peer_z.hugepages_used_frac"):
         load_kb(tmp_path)
-    doc["requires"] = ["peer_z.thp_coverage_frac"]
+    doc["requires"] = ["peer_z.hugepages_used_frac"]
     _write(tmp_path, "demo", doc)
-    assert load_kb(tmp_path)["demo"].missing == ("peer_z.thp_coverage_frac",)
-    doc["requires"] = ["peer_z.thp_coverage_frac", "cpu_busy_frac"]     # computed today: a stale wait
+    assert load_kb(tmp_path)["demo"].missing == ("peer_z.hugepages_used_frac",)
+    doc["requires"] = ["peer_z.hugepages_used_frac", "cpu_busy_frac"]     # computed today: a stale wait
     _write(tmp_path, "demo", doc)
     with pytest.raises(KBError, match=r"demo.yaml: requires: \['cpu_busy_frac'\] are computed now"):
         load_kb(tmp_path)
 
 
-def test_kb_list_and_show_say_which_entries_are_not_reachable_yet(capsys):
+def test_kb_list_and_show_say_no_entry_waits(capsys):
     from fleetscope.cli.main import main
     assert main(["kb", "list"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    for name, missing in NOT_REACHABLE_YET.items():
-        at = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
-        assert lines[at + 1].split() == ["not", "reachable", "yet:", "waits", "for", *(m + "," for m in missing[:-1]),
-                                         missing[-1]]
-    assert sum("not reachable yet" in line for line in lines) == len(NOT_REACHABLE_YET)
+    out = capsys.readouterr().out
+    assert "not reachable yet" not in out and all(name in out for name in REQUIRED)
     assert main(["kb", "show", "irq_locality_miss"]) == 0
-    assert "not reachable yet: the pipeline computes no irq_rank_cpu_share" in capsys.readouterr().out
+    assert "not reachable yet" not in capsys.readouterr().out
+
+
+def test_huge_page_loss_on_a_single_node_job_matches_on_the_ranks_own_faults(kb):
+    """One node: no peer node to compare THP coverage with; the rank's own minor faults stand out. It
+    matches, with a low confidence: the fingerprint leads with faults up while the entry's pattern leads
+    with coverage down."""
+    d = diagnose(anomaly({"thp_coverage_frac": 0.05, "proc_minflt_per_s": 90000}, {"proc_minflt_per_s": 6}), kb)
+    assert "huge_page_coverage_loss" in [m.entry for m in d.matches]
+    healthy = diagnose(anomaly({"proc_minflt_per_s": 90000}, {"proc_minflt_per_s": 6}), kb)   # THP still 0.8
+    assert "huge_page_coverage_loss" not in [m.entry for m in healthy.matches]

@@ -23,7 +23,7 @@ A file holds (every field is checked on load; an error names file and field):
 
 Every feature named in `rules` and `evidence` must be one that a builder emits
 (streams/feature_catalogue.py), and a `peer_z` condition needs a feature of the
-rank's own vector (node-only features get no peer z). An entry whose rules can
+rank's own vector or one the scorer joins and compares (PEER_Z_FEATURES). An entry whose rules can
 never hold with what the pipeline computes loads only if it lists the missing
 inputs under `requires:` (a feature, or `peer_z.<feature>`); it is then "not
 reachable yet" (``Entry.missing``, shown by `fleetscope kb list`). Anything
@@ -49,7 +49,7 @@ import yaml
 
 from fleetscope.resources import package_dir
 from fleetscope.streams.diagnosis.fingerprint import pattern_vector
-from fleetscope.streams.feature_catalogue import ALL_FEATURES, RANK_FEATURES
+from fleetscope.streams.feature_catalogue import ALL_FEATURES, PEER_Z_FEATURES
 
 KB_DIR = package_dir("fleetscope.kb")
 UNMATCHED = "unmatched"
@@ -202,7 +202,7 @@ def _need(c: Condition) -> str:
 
 def _computed(need: str) -> bool:
     """Does the running pipeline provide this input? (a feature value, or a peer z of a rank feature)"""
-    return need[len("peer_z."):] in RANK_FEATURES if need.startswith("peer_z.") else need in ALL_FEATURES
+    return need[len("peer_z."):] in PEER_Z_FEATURES if need.startswith("peer_z.") else need in ALL_FEATURES
 
 
 def _missing_inputs(all_rules, any_rules, evidence, requires: tuple[str, ...], where: str) -> tuple[str, ...]:

@@ -50,6 +50,8 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("gpu_proc_mem_bytes", "gpu_memory"),
     ("cuda_mem_live_bytes", "gpu_memory"),
     ("cuda_malloc_free_balance_bytes", "gpu_memory"),
+    ("gpu_ecc_*", "gpu_memory"),
+    ("gpu_row_remap_*", "gpu_memory"),
     # GPU compute: utilization, clocks, power, thermals, XIDs
     ("gpu_*", "gpu_compute"),
     # interconnect (PCIe/NVLink): host<->device copies
@@ -61,6 +63,9 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("torch_comm_wait_frac", "nccl"),
     ("torch_comm_waits_per_s", "nccl"),
     ("torch_work_wait_frac", "nccl"),
+    ("collective_stalled", "nccl"),
+    # a rank that stopped reporting: its process (the framework's) is gone
+    ("rank_vanished", "framework"),
     # framework
     ("python_*", "framework"),
     ("torch_*", "framework"),

@@ -1,0 +1,106 @@
+"""What a rank's vector is joined with: its node's window and its own GPU's.
+
+Node windows (host counters, device-level NVML, the kernel tracer's per-CPU
+IRQs) arrive keyed by host; they are remembered here per (host, window start)
+and joined into each of that host's rank windows of the same start, as
+evidence for diagnosis and the loud-failure checks. A rank's own GPU is the
+device label of its NVML process rows (``gpu<N>``); when it is known, the
+node-wide GPU features are replaced by that GPU's, so an Xid on GPU 0 is not
+blamed on the rank of GPU 1. A node with one GPU needs no label.
+
+The joined features are not model inputs (host features in the model flagged
+whole jobs whenever a host got busy); their peer z-scores across the job's
+ranks (``joined_peer_z``) are computed here so KB rules can compare ranks on
+them (a rank on a hot GPU, a node without huge pages).
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Mapping, Sequence
+
+from fleetscope.streams.feature_catalogue import JOINED_FEATURES
+from fleetscope.streams.gpu_features import DEVICE_GAUGES, FAULT_FEATURES, gpu_device_features
+from fleetscope.streams.windows import Window
+
+NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
+PROC_METRICS = ("nvml.proc_sm_util", "nvml.proc_mem_used", "nvml.proc_energy_j")
+PER_GPU = frozenset(name for _, name in DEVICE_GAUGES) | frozenset(FAULT_FEATURES) | {"gpu_throttled"}
+MIN_PEERS = 3
+MAD_TO_SIGMA = 1.4826
+REL_FLOOR = 0.02
+
+
+def rank_gpus(w: Window) -> list[str]:
+    """The GPU labels of the rank's NVML process rows, in order of first sight."""
+    if "nvml" not in w.sources:
+        return []
+    labels: dict[str, None] = {}
+    for metric in PROC_METRICS:
+        for a in w.devices("nvml", metric):
+            if a.device.startswith("gpu"):
+                labels[a.device] = None
+    return list(labels)
+
+
+class RankContext:
+    def __init__(self, capacity: int = NODE_CACHE):
+        self.capacity = capacity
+        self.node: OrderedDict[tuple[str, int], dict] = OrderedDict()
+        self.gpus: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+        self.misses = 0
+
+    def remember(self, w: Window, vector: dict) -> None:
+        key = (w.key[2], w.start_ns)
+        self.node[key] = vector
+        self.gpus[key] = gpu_device_features(w)
+        while len(self.node) > self.capacity:
+            old, _ = self.node.popitem(last=False)
+            self.gpus.pop(old, None)
+
+    def joined(self, w: Window) -> dict[str, float] | None:
+        """The node's features with the rank's own GPU's in place of the node-wide ones; None when the
+        node's window of this start is not (yet) here."""
+        key = (w.key[2], w.start_ns)
+        node = self.node.get(key)
+        if node is None:
+            self.misses += 1
+            return None
+        devices = self.gpus.get(key, {})
+        own = [devices[g] for g in rank_gpus(w) if g in devices]
+        if not own and len(devices) == 1:
+            own = list(devices.values())
+        if not own:
+            return dict(node)
+        out = {k: v for k, v in node.items() if k not in PER_GPU}
+        for name in PER_GPU:
+            values = [d[name] for d in own if name in d]
+            if values:
+                out[name] = max(values) if name in FAULT_FEATURES or name == "gpu_throttled" \
+                    else sum(values) / len(values)
+        return out
+
+
+def joined_peer_z(vectors: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
+    """Robust z of each joined feature against the step's ranks: (x - median) / max(1.4826 MAD, 2% of
+    |median|); features seen on fewer than MIN_PEERS ranks get none."""
+    out: list[dict[str, float]] = [{} for _ in vectors]
+    for name in JOINED_FEATURES:
+        rows = [(i, float(v[name])) for i, v in enumerate(vectors)
+                if name in v and math.isfinite(float(v[name]))]
+        if len(rows) < MIN_PEERS:
+            continue
+        values = sorted(x for _, x in rows)
+        median = _median(values)
+        mad = _median(sorted(abs(x - median) for x in values))
+        scale = max(MAD_TO_SIGMA * mad, REL_FLOOR * abs(median), 1e-9)
+        for i, x in rows:
+            z = (x - median) / scale
+            if z:
+                out[i][name] = z
+    return out
+
+
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    return 0.5 * (sorted_values[(n - 1) // 2] + sorted_values[n // 2])
