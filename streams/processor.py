@@ -1,42 +1,54 @@
 """The stream worker's core, independent of Faust so it can be driven and tested directly.
 
-For every message: decode, validate and admit it (see admission.py), buffer
-its raw rows, fold its events into windows. Any failure on that way sends
-the message to the DLQ with the reason; `handle` never raises, so nothing is
-committed past silently.
+For every message: decode, validate and admit it (see admission.py), fold
+its events into windows. Any failure on that way sends the message to the
+DLQ with the reason; `handle` never raises, so nothing is committed past
+silently.
 
-A flush job then goes through three steps, each done once and retried on its own:
-1. compute: close ripe windows, build their feature rows, score them;
-2. publish: features, scores, anomalies, diagnoses and dead letters to Kafka;
-3. store: dead letters, features, scores, anomalies, diagnoses, model
-   checkpoints and raw rows, each insert isolating what the store refuses
-   (store_writes.py).
-A message is acknowledged once every job holding it is stored, and only
-acknowledged offsets are committed, so a crash replays instead of losing.
-While the store is down, jobs wait (in order) after step 2 and new ones are
-still computed and published; past `max_unstored_rows` the consumer waits.
+A flush job then goes through its steps, each done once and retried on its own:
+1. compute: close ripe windows, build their feature rows, score them, and
+   update each touched job's state (window marks, model checkpoint);
+2. publish: features and scores (Arrow), anomalies and diagnoses (JSON),
+   dead letters and the jobs' states (<prefix>.model-state) to Kafka;
+3. only in-process (a store was given: tests, benchmarks, tools): the sink's
+   TopicWriter stores what step 2 produced, as a sink would.
+A worker does not write the store: sinks consume the raw and derived topics.
+A message is acknowledged once every job holding it is published (stored,
+in-process), and only acknowledged offsets are committed, so a crash
+replays instead of losing.
 
-Duplicates: a batch id seen in this run is skipped whole; a batch id the
-store already held when we started (a replay after a crash) is not inserted
-again as raw rows, and windows the store already holds are not emitted again.
+Which windows are already out is the worker's own state, not the store's:
+each job's window marks travel with its model on <prefix>.model-state
+(model_state.py). A key first seen (after a start, a rebalance or an
+eviction) reads its job's marks from there, and replayed windows at or
+before a mark are acknowledged without being emitted again. Raw batches
+are deduplicated by the sink.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
+
+import base64
+import threading
 
 from fleetscope.schema import NODE_TENANT, validate
 from fleetscope.wire import Batch, WireError, decode
 from fleetscope.streams.admission import UNCHECKED_KEY, AdmissionError, TimeBounds, check_key, check_strings
+from fleetscope.streams.model import JobModel
+from fleetscope.streams.model_state import JobState
 from fleetscope.streams.outage_log import OutageLog
 from fleetscope.streams.outbox import Outbox
 from fleetscope.streams.scoring import Scorer
-from fleetscope.streams.sinks import DeadLetters, FeatureSink, RawSink
+from fleetscope.streams.seen_batches import SeenBatches
+from fleetscope.streams.sink.tables import Record
+from fleetscope.streams.sink.writer import TopicWriter, run_all
+from fleetscope.streams.sinks import DeadLetters, FeatureSink
+from fleetscope.streams.state_sources import StoreStates
 from fleetscope.streams.steps import JobSteps
-from fleetscope.streams.store_writes import Insert, StoreUnavailable, row_insert
+from fleetscope.streams.store_writes import Insert, StoreUnavailable
 from fleetscope.streams.windows import WindowAssembler
 
 log = logging.getLogger(__name__)
@@ -76,23 +88,6 @@ class ProcessorStats:
     last_window_end_ns: int = 0
 
 
-class SeenBatches:
-    """Batch ids handled in this run (bounded, oldest forgotten first)."""
-
-    def __init__(self, capacity: int = 200_000):
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def add(self, batch_id: str) -> bool:
-        """True if new."""
-        if batch_id in self._ids:
-            return False
-        self._ids[batch_id] = None
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-        return True
-
-
 DeadLetter = tuple[MessageRef, "bytes | None", str]
 
 
@@ -103,19 +98,16 @@ class FlushJob:
     raw: list[tuple[Batch, MessageRef, bytes | None]]
     dead: list[DeadLetter]
     windows: list
-    skipped: list[MessageRef]  # duplicates and replays: nothing to store, acknowledged in order with the rest
-    earlier: list["FlushJob"] = field(default_factory=list)  # jobs still waiting for the store, oldest first
+    skipped: list[MessageRef]  # duplicates and replays: nothing to emit, acknowledged in order with the rest
+    earlier: list["FlushJob"] = field(default_factory=list)  # jobs still waiting, oldest first
     computed: bool = False
     published: bool = False
-    raw_pending: bool = True  # raw inserts are made at the first store try (they check for replays there)
-    inserts: list[Insert] = field(default_factory=list)
     messages: list = field(default_factory=list)
-    rejected: list[DeadLetter] = field(default_factory=list)  # refused by the store: dead letters to add
+    inserts: list[Insert] | None = None  # in-process only: the sink's inserts for this job
+    sunk: bool = False  # in-process only: stored
 
-    @property
-    def stored(self) -> bool:
-        return (self.computed and self.published and not self.raw_pending and not self.rejected
-                and all(i.done for i in self.inserts))
+    def done(self, in_process: bool) -> bool:
+        return self.computed and self.published and (self.sunk or not in_process)
 
     def refs(self) -> list[MessageRef]:
         return ([ref for _, ref, _ in self.raw] + [ref for ref, _, _ in self.dead]
@@ -126,21 +118,31 @@ class FlushJob:
 
 
 class StreamProcessor:
-    def __init__(self, cfg, store, producer=None, clock=time.monotonic,
+    """`store`: given only to run in-process with a sink (tests, benchmarks, tools); a worker has none.
+    `states`: where jobs' states are read back (ModelStateTopic for a worker; the store's model_state
+    table in-process)."""
+
+    def __init__(self, cfg, store=None, producer=None, clock=time.monotonic,
                  flush_interval_s: float = 0.25, flush_rows: int = 200_000, scoring: bool = True,
-                 wall_clock_ns=time.time_ns, max_unstored_rows: int | None = None):
+                 wall_clock_ns=time.time_ns, max_unstored_rows: int | None = None, states=None):
+        if store is None and producer is None:
+            raise ValueError("a stream processor needs a producer (a worker) or a store (in-process)")
         self.cfg = cfg
         self.store = store
         self.producer = producer
-        self.outbox = Outbox(store)
-        collected = self.outbox if producer is not None else None
-        self.raw = RawSink(store)
-        self.features = FeatureSink(cfg, self.outbox, collected)
-        self.dead = DeadLetters(cfg, store, collected)
+        self.in_process = store is not None
+        self.sink = TopicWriter(cfg, store, wall_clock_ns) if self.in_process else None
+        self.states = states if states is not None else StoreStates(store)
+        self.outbox = Outbox()
+        self.features = FeatureSink(cfg, self.outbox)
+        self.dead = DeadLetters(cfg, self.outbox)
         self.windows = WindowAssembler(cfg.window_s, cfg.allowed_lateness_s, cfg.idle_close_s,
-                                       stored_marks=self.features.stored_mark, clock=clock)
+                                       stored_marks=self._mark, clock=clock)
         self.steps = JobSteps(cfg.step_hold_s, clock=clock)
-        self.scorer = Scorer(cfg, self.outbox, collected) if scoring else None
+        # the scorer's own inserts (scores, anomalies, diagnoses, model_state rows) are collected in the
+        # outbox and not stored: the sink builds those rows from the topics; model_state rows become
+        # the jobs' states on <prefix>.model-state (see _job_states)
+        self.scorer = Scorer(cfg, self.outbox, self.outbox) if scoring else None
         self.time_bounds = TimeBounds(cfg.ttl_days, cfg.max_future_skew_s, wall_clock_ns)
         self.seen = SeenBatches()
         self.stats = ProcessorStats()
@@ -152,17 +154,73 @@ class StreamProcessor:
         self._raw: list[tuple[Batch, MessageRef, bytes | None]] = []
         self._dead: list[DeadLetter] = []
         self._skipped: list[MessageRef] = []
-        self._waiting: list[FlushJob] = []  # computed and published, not yet stored
+        self._waiting: list[FlushJob] = []  # computed, not yet published (or stored, in-process)
         self._last_flush = clock()
         self._last_store_try = -float("inf")
         self._pending_refs: list[MessageRef] = []
         self._last_evict_check = clock()
         self._job_scored_at: dict[tuple[str, str], float] = {}  # flush thread: when a job's model last scored
+        self._job_states: dict[tuple[str, str], JobState] = {}
+        self._states_lock = threading.Lock()  # marks are read on the loop thread, updated on the flush thread
+        self._record_seq = 0
         self.evicted_models = 0
         self.store_outage = OutageLog(log, "store unavailable", cfg.store_error_log_s, clock)
         self.kafka_outage = OutageLog(log, "publishing to Kafka failed", cfg.store_error_log_s, clock)
         self.handling_errors = OutageLog(log, "a message failed after decoding (sent to the DLQ)",
                                          cfg.store_error_log_s, clock)
+
+    # ---- jobs' states -------------------------------------------------------------
+    def _job_state(self, tenant: str, job: str) -> JobState:
+        """The job's state, read back once from `states` (raises if it cannot be read: asked again later)."""
+        with self._states_lock:
+            st = self._job_states.get((tenant, job))
+            if st is None:
+                st = self.states.latest(tenant, job) or JobState(tenant, job)
+                self._job_states[(tenant, job)] = st
+            return st
+
+    def _mark(self, key) -> int | None:
+        return self._job_state(key[0], key[1]).marks.get((key[2], int(key[3])))
+
+    def _ensure_model(self, tenant: str, job: str) -> None:
+        key = (tenant, job)
+        if key in self.scorer.models:
+            return
+        st = self._job_state(tenant, job)
+        model = None
+        if st.model_b64:
+            try:
+                model = JobModel.from_bytes(base64.b64decode(st.model_b64))
+                self.scorer.stats.restored_models += 1
+                log.info("restored the model of %s/%s from <prefix>.model-state", tenant, job)
+            except Exception:  # an unreadable or untrusted checkpoint: start afresh, visibly
+                log.exception("model checkpoint of %s/%s unreadable; relearning", tenant, job)
+        self.scorer.models[key] = model or JobModel(self.scorer.model_config)
+        self.scorer.saved_at[key] = time.monotonic()
+        self.scorer.stats.models += 1
+
+    def _state_messages(self, windows, checkpoints: list) -> list:
+        """Update the touched jobs' marks and models; their state messages for <prefix>.model-state."""
+        touched = set()
+        with self._states_lock:
+            for w in windows:
+                st = self._job_states.setdefault(w.key[:2], JobState(w.key[0], w.key[1]))
+                mk = (w.key[2], int(w.key[3]))
+                st.marks[mk] = max(st.marks.get(mk, -1), w.start_ns)
+                st.last_window_ns = max(st.last_window_ns, w.start_ns)
+                touched.add(w.key[:2])
+            for _, columns, _ in checkpoints:
+                for i, (tenant, job) in enumerate(zip(columns["tenant"], columns["job"])):
+                    st = self._job_states.setdefault((tenant, job), JobState(tenant, job))
+                    st.model_b64 = columns["state"][i]
+                    touched.add((tenant, job))
+            wall = time.time_ns()
+            out = []
+            for key in sorted(touched):
+                st = self._job_states[key]
+                st.saved_at_ns = wall
+                out.append((self.cfg.topic("model-state"), st.key(), st.encode(), None))
+            return out
 
     # ---- messages (event-loop thread) ------------------------------------------
     def handle(self, value: bytes | None, headers, ref: MessageRef, key=UNCHECKED_KEY) -> None:
@@ -211,11 +269,11 @@ class StreamProcessor:
                 or self.clock() - self._last_flush >= self.flush_interval_s)
 
     def backlogged(self) -> bool:
-        """Too much waits for the store: the consumer should wait too (backpressure)."""
+        """Too much waits (Kafka, or the store in-process): the consumer should wait too (backpressure)."""
         return self.raw_rows + sum(j.unstored_rows() for j in self._waiting) >= self.max_unstored_rows
 
     def begin_flush(self, force: bool = False) -> FlushJob | None:
-        """Take what is ready (event-loop thread). Jobs waiting for the store ride along, oldest first."""
+        """Take what is ready (event-loop thread). Waiting jobs ride along, oldest first."""
         now = self.clock()
         self._last_flush = now
         if now - self._last_evict_check >= EVICT_CHECK_S:
@@ -234,20 +292,19 @@ class StreamProcessor:
         return job
 
     def run_flush(self, job: FlushJob) -> bool:
-        """Advance the waiting jobs and this one as far as they go (any thread). True if all are stored.
+        """Advance the waiting jobs and this one as far as they go (any thread). True if all are done.
 
-        Jobs are computed in order, and stop at the first that cannot be (its model could not be
-        restored): a job's windows must reach its model in window order."""
+        Jobs are computed and published in order, and stop at the first that cannot be: a job's
+        windows must reach its model, and its marks Kafka, in window order."""
         jobs = job.earlier + [job]
-        # while the store is down, try it once per STORE_RETRY_S, not on every flush
         store_up = self.store_outage.down_since is None or self.clock() - self._last_store_try >= STORE_RETRY_S
         for j in jobs:
             if not j.computed:
                 try:
                     self._compute(j)
-                except StoreUnavailable as exc:
-                    self.stats.store_errors += 1
-                    self.store_outage.failed(exc)
+                except StoreUnavailable as exc:  # the jobs' states could not be read back
+                    self.stats.publish_errors += 1
+                    self.kafka_outage.failed(exc)
                     return False
             if not j.published:
                 try:
@@ -257,18 +314,18 @@ class StreamProcessor:
                     self.kafka_outage.failed(exc)
                     return False
                 self.kafka_outage.recovered()
-            if store_up:
-                store_up = self._store(j)
-        return all(j.stored for j in jobs)
+            if self.in_process and store_up and not j.sunk:
+                store_up = self._sink(j)
+        return all(j.done(self.in_process) for j in jobs)
 
     def _compute(self, job: FlushJob) -> None:
         jobs = {w.key[:2] for w in job.windows if w.key[0] != NODE_TENANT}  # node windows have no model
         if self.scorer is not None:
             for tenant, name in jobs:
                 try:  # restore models first: a failure here leaves no model half-fed
-                    self.scorer.model(tenant, name)
+                    self._ensure_model(tenant, name)
                 except Exception as exc:
-                    raise StoreUnavailable(f"restoring the model of {tenant}/{name}: {exc}") from exc
+                    raise StoreUnavailable(f"reading the state of {tenant}/{name}: {exc}") from exc
         self.outbox.take()  # anything left by an interrupted job is recomputed below
         vectors = self.features.write(job.windows)
         if self.scorer is not None and job.windows:
@@ -276,17 +333,12 @@ class StreamProcessor:
             now = self.clock()
             for key in jobs:
                 self._job_scored_at[key] = now
-        if self.scorer is not None and not job.earlier:  # only while nothing waits for the store (see below)
+        if self.scorer is not None:
             self._evict_idle_models()
-        inserts, job.messages = self.outbox.take()
-        job.inserts = []
-        if job.dead:
-            job.inserts.append(self._dead_insert(job.dead, {id(r): b for b, r, _ in job.raw}))
-        for table, columns, tok in inserts:
-            job.inserts.append(row_insert(table, columns, tok, lambda row, why, table=table: self._reject_row(
-                job, table, row, why)))
-        self.dead.publish(job.dead)
-        job.messages += self.outbox.take()[1]
+        self.dead.publish(job.dead, {id(r): b for b, r, _ in job.raw})
+        inserts, messages = self.outbox.take()
+        checkpoints = [i for i in inserts if i[0] == "model_state"]
+        job.messages = messages + self._state_messages(job.windows, checkpoints)
         job.computed = True
 
     def _evict_idle_keys(self) -> None:
@@ -299,8 +351,8 @@ class StreamProcessor:
 
     def _evict_idle_models(self) -> None:
         """Flush thread: checkpoint, then drop, the models of jobs that scored nothing for idle_evict_s.
-        The checkpoint goes out with this job's inserts. Only done while no earlier job waits for the
-        store, so the checkpoint a returning job restores from is the newest."""
+        The checkpoint goes out with this job's messages, before anything later: a returning job
+        restores the newest."""
         now = self.clock()
         idle = [k for k in self.scorer.models
                 if now - self._job_scored_at.setdefault(k, now) >= self.cfg.idle_evict_s]
@@ -326,64 +378,49 @@ class StreamProcessor:
             raise RuntimeError("Kafka did not acknowledge the derived messages within 10 s")
         job.published = True
 
-    def _store(self, job: FlushJob) -> bool:
-        """Run the job's inserts in order; False if the store is unavailable (the job waits)."""
+    def _sink(self, job: FlushJob) -> bool:
+        """In-process: store the job's raw rows and messages as a sink would; False if the store is down."""
         self._last_store_try = self.clock()
         try:
-            if job.raw_pending:  # raw rows last: the largest insert must not delay the others
-                job.inserts += self.raw.inserts(job.raw, lambda item, why: self._reject_batch(job, item, why))
-                job.raw_pending = False
-            i = 0
-            while i < len(job.inserts):
-                job.inserts[i].run(self.store, on_error=lambda exc: setattr(self.stats, "store_errors",
-                                                                            self.stats.store_errors + 1))
-                if job.rejected:  # refused rows become dead letters, stored after the rest
-                    rejected, job.rejected = job.rejected, []
-                    self.dead.publish(rejected)
-                    if self.producer is not None:
-                        self._publish_now()
-                    job.inserts.append(self._dead_insert(rejected, {id(r): b for b, r, _ in job.raw}))
-                i += 1
-        except StoreUnavailable as exc:
+            if job.inserts is None:
+                job.inserts = self.sink.inserts(self._records(job.messages), admitted_raw=job.raw)
+            run_all(job.inserts, self.store, on_error=lambda exc: setattr(self.stats, "store_errors",
+                                                                          self.stats.store_errors + 1))
+            rejected = self.sink.stats.store_rejected - self.stats.store_rejected
+            if rejected > 0:
+                self.stats.store_rejected += rejected
+                self.stats.dlq += rejected
+            dead = self.sink.dead_letter_insert()
+            if dead is not None:
+                insert, recs = dead
+                job.inserts.append(insert)
+                run_all([insert], self.store)
+                if self.producer is not None:
+                    for r in recs:
+                        self.producer.produce(self.cfg.topic("dlq"), value=r.value, key=r.key, headers=r.headers)
+                    if self.producer.flush(10.0):
+                        log.warning("Kafka did not acknowledge %d dead letters within 10 s; they are in the dlq "
+                                    "table", len(recs))
+        except StoreUnavailable as exc:  # store_errors counted per failed insert by on_error
             self.store_outage.failed(exc)
             return False
+        job.sunk = True
         self.store_outage.recovered()
         return True
 
-    def _publish_now(self) -> None:
-        _, messages = self.outbox.take()
+    def _records(self, messages) -> list[Record]:
+        out = []
+        now_ms = time.time_ns() // 10**6
         for topic, key, value, headers in messages:
-            self.producer.produce(topic, value=value, key=key, headers=headers)
-        if self.producer.flush(10.0):
-            log.warning("Kafka did not acknowledge %d dead letters within 10 s; they are in the dlq table",
-                        len(messages))
-
-    def _dead_insert(self, rows: list[DeadLetter], batches: dict) -> Insert:
-        def lost(row: dict, why: str) -> None:  # a dead letter the store refuses cannot be dead-lettered
-            log.error("the store refused a dead letter (%s); it is only in the log: %s", why, row)
-
-        return row_insert("dlq", self.dead.columns(rows, batches), self.dead.token(rows), lost)
-
-    def _reject_batch(self, job: FlushJob, item, why: str) -> None:
-        batch, ref, value = item
-        self.stats.store_rejected += 1
-        self.stats.dlq += 1
-        log.warning("dead-letter %s[%d]@%d: %s", ref.topic, ref.partition, ref.offset, why[:300])
-        job.rejected.append((ref, value, why))
-
-    def _reject_row(self, job: FlushJob, table: str, row: dict, why: str) -> None:
-        self.stats.store_rejected += 1
-        self.stats.dlq += 1
-        ident = {k: row[k] for k in ("tenant", "job", "host", "rank", "window_start") if k in row}
-        value = repr(ident).encode("utf-8", "backslashreplace")
-        log.warning("dead-letter a %s row %s: %s", table, ident, why[:300])
-        job.rejected.append((MessageRef(self.cfg.topic(table), -1, -1), value, why))
+            self._record_seq += 1
+            out.append(Record(topic, -1, self._record_seq, now_ms, key, value, list(headers or ())))
+        return out
 
     def finish_flush(self, job: FlushJob, ok: bool) -> None:
-        """Acknowledge what is stored (event-loop thread); the rest waits, in order."""
+        """Acknowledge what is done (event-loop thread); the rest waits, in order."""
         waiting = []
         for j in job.earlier + [job]:
-            if waiting or not j.stored:  # acknowledge in order: a stored job behind a waiting one waits too
+            if waiting or not j.done(self.in_process):  # in order: a done job behind a waiting one waits too
                 waiting.append(j)
                 continue
             self._acknowledge(j)
@@ -406,13 +443,16 @@ class StreamProcessor:
 
     def close(self) -> None:
         """Checkpoint every model now (at stop): a restarted worker resumes from here."""
-        if self.scorer is None:
+        if self.scorer is None or not self.scorer.models:
             return
         self.outbox.take()
         self.scorer.checkpoint(force=True)
         inserts, _ = self.outbox.take()
-        for table, columns, tok in inserts:
-            self.store.insert(table, columns, dedupe_token=tok)
+        last = FlushJob([], [], [], [], computed=True)
+        last.messages = self._state_messages([], [i for i in inserts if i[0] == "model_state"])
+        self._publish(last)
+        if self.in_process:
+            run_all(self.sink.inserts(self._records(last.messages)), self.store)
 
     def snapshot(self) -> dict:
         s = asdict(self.stats)

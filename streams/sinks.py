@@ -1,8 +1,5 @@
-"""Where the stream worker's output goes: raw rows, feature rows, dead letters.
-
-Each sink buffers, writes one batched insert per flush, and reports which
-messages it has safely stored, so the processor can acknowledge them.
-"""
+"""Raw rows as one Arrow table for the store (RawSink, used by the sink), feature rows as
+<prefix>.features batches (FeatureSink), dead letters on <prefix>.dlq (DeadLetters)."""
 from __future__ import annotations
 
 import hashlib
@@ -27,11 +24,6 @@ REPLAY_LOOKBACK_S = 900  # batch ids the store took this recently count as "alre
 
 def token(kind: str, ids) -> str:
     return f"{kind}:" + hashlib.sha1("\n".join(ids).encode()).hexdigest()
-
-
-def _deliver(producer, timeout_s: float = 10.0) -> None:
-    if producer is not None and producer.flush(timeout_s):
-        raise RuntimeError("Kafka did not acknowledge the derived messages in time")
 
 
 class RawSink:
@@ -113,46 +105,22 @@ class RawSink:
 
 
 class FeatureSink:
-    def __init__(self, cfg, store, producer=None):
+    """Builds the windows' feature vectors and publishes them on <prefix>.features (Arrow, one message per job)."""
+
+    def __init__(self, cfg, producer):
         self.cfg = cfg
-        self.store = store
         self.producer = producer
         self.host = socket.gethostname()
 
-    def stored_mark(self, key) -> int | None:
-        """Start (ns) of the newest window the store holds for this key, if any."""
-        tenant, job, host, rank = key
-        res = self.store.query(
-            "SELECT count(), toUnixTimestamp64Milli(max(window_start)) FROM features "
-            "WHERE tenant = {t:String} AND job = {j:String} AND host = {h:String} AND rank = {r:Int32}",
-            {"t": tenant, "j": job, "h": host, "r": rank})
-        count, newest_ms = res.rows[0]
-        return int(newest_ms) * 1_000_000 if int(count) else None
-
     def write(self, windows) -> list[dict]:
-        """Store and publish the windows' feature rows; returns their vectors."""
+        """Publish the windows' feature rows; returns their vectors."""
         if not windows:
             return []
         vectors = [window_features(w) for w in windows]
-        now = time.time_ns()
-        rows = {
-            "tenant": [w.key[0] for w in windows], "job": [w.key[1] for w in windows],
-            "host": [w.key[2] for w in windows], "rank": np.array([w.key[3] for w in windows], dtype=np.int32),
-            "window_start": np.array([w.start_ns for w in windows], dtype=np.int64),
-            "window_end": np.array([w.end_ns for w in windows], dtype=np.int64),
-            "feature_version": np.full(len(windows), FEATURE_VERSION, dtype=np.uint16),
-            "feature": vectors, "sources": [sorted(w.sources) for w in windows],
-            "event_count": np.array([w.event_count for w in windows], dtype=np.uint32),
-            "emitted_at": np.full(len(windows), now, dtype=np.int64),
-        }
-        ids = [f"{w.key}@{w.start_ns}" for w in windows]
-        self.store.insert("features", rows, dedupe_token=token("features", ids))
         self._publish(windows, vectors)
         return vectors
 
     def _publish(self, windows, vectors) -> None:
-        if self.producer is None:
-            return
         by_job: dict[tuple[str, str], list[int]] = {}
         for i, w in enumerate(windows):
             by_job.setdefault((w.key[0], w.key[1]), []).append(i)
@@ -161,7 +129,6 @@ class FeatureSink:
             batch = features_batch(self.host, [windows[i] for i in idx], [vectors[i] for i in idx])
             self.producer.produce(topic, key=f"{tenant}/{job}".encode(), value=wire.encode(batch),
                                   headers=batch.kafka_headers())
-        _deliver(self.producer)
 
 
 def features_batch(worker_host: str, windows, vectors) -> Batch:
@@ -174,6 +141,8 @@ def features_batch(worker_host: str, windows, vectors) -> Batch:
         "host": StrColumn.of([w.key[2] for w in windows]),
         "rank": np.array([w.key[3] for w in windows], dtype="<i4"),
         "event_count": np.array([w.event_count for w in windows], dtype="<u4"),
+        "sources": StrColumn.of([",".join(sorted(w.sources)) for w in windows]),
+        "emitted_at_ns": np.full(len(windows), time.time_ns(), dtype="<i8"),
     }
     for name in names:
         cols[f"f.{name}"] = np.array([v.get(name, np.nan) for v in vectors], dtype="<f8")
@@ -181,53 +150,24 @@ def features_batch(worker_host: str, windows, vectors) -> Batch:
 
 
 class DeadLetters:
-    """Messages the worker could not take (undecodable, invalid, out of bounds, refused by the store),
-    with the reason: stored in `dlq` and published to `<prefix>.dlq`.
+    """Messages the worker could not take (undecodable, invalid, out of bounds), with the reason,
+    published to `<prefix>.dlq`: the original bytes, and headers naming the message and the reason.
+    The sink stores them in `dlq`. A sink's row is deduplicated by the dead letter's own topic,
+    partition, offset, broker timestamp and content: the embedded broker restarts offsets at 0 with
+    every run, so topic/partition/offset alone made a second run's dead letter a "duplicate"."""
 
-    Each row's dedupe token names the message by topic, partition, offset, its broker timestamp and a
-    hash of its bytes and reason: the embedded broker restarts offsets at 0 with every run, so
-    topic/partition/offset alone made a second run's dead letter a "duplicate" of the first's.
-    """
-
-    def __init__(self, cfg, store, producer=None):
+    def __init__(self, cfg, producer):
         self.cfg = cfg
-        self.store = store
         self.producer = producer
 
-    @staticmethod
-    def identity(ref, value: bytes | None, reason: str) -> str:
-        digest = hashlib.sha1(bytes(value or b"") + b"\0" + reason.encode("utf-8", "replace")).hexdigest()
-        return f"{ref.topic}/{ref.partition}/{ref.offset}/{getattr(ref, 'timestamp_ms', 0)}/{digest}"
-
-    def columns(self, rows: list[tuple[object, bytes | None, str]], batches: dict | None = None) -> dict:
-        refs = [r for r, _, _ in rows]
+    def publish(self, rows, batches: dict | None = None) -> None:
         known = batches or {}
-        return {
-            "ts": np.full(len(rows), time.time_ns(), dtype=np.int64), "topic": [r.topic for r in refs],
-            "partition": np.array([r.partition for r in refs], dtype=np.int32),
-            "offset": np.array([r.offset for r in refs], dtype=np.int64),
-            "reason": [reason for _, _, reason in rows], "source": [r.topic.rsplit(".", 1)[-1] for r in refs],
-            "host": [known[id(r)].host if id(r) in known else "" for r in refs],
-            "batch_id": [known[id(r)].batch_id if id(r) in known else "" for r in refs],
-            "size": np.array([len(v or b"") for _, v, _ in rows], dtype=np.uint32),
-            "payload_head": [bytes(v or b"")[:64].hex() for _, v, _ in rows],
-        }
-
-    def token(self, rows) -> str:
-        return token("dlq", [self.identity(ref, value, reason) for ref, value, reason in rows])
-
-    def publish(self, rows) -> None:
-        if self.producer is None:
-            return
+        now = str(time.time_ns()).encode()
         for ref, value, reason in rows:
+            batch = known.get(id(ref))
             self.producer.produce(self.cfg.topic("dlq"), value=value, headers=[
                 ("fs-dlq-reason", reason.encode("utf-8", "replace")), ("fs-dlq-topic", ref.topic.encode()),
-                ("fs-dlq-partition", str(ref.partition).encode()), ("fs-dlq-offset", str(ref.offset).encode())])
-
-    def write(self, rows: list[tuple[object, bytes | None, str]]) -> None:
-        """Store and publish now (tests, tools); the worker goes through its flush jobs instead."""
-        if not rows:
-            return
-        self.store.insert("dlq", self.columns(rows), dedupe_token=self.token(rows))
-        self.publish(rows)
-        _deliver(self.producer)
+                ("fs-dlq-partition", str(ref.partition).encode()), ("fs-dlq-offset", str(ref.offset).encode()),
+                ("fs-dlq-ts-ns", now), ("fs-dlq-msg-ts", str(getattr(ref, "timestamp_ms", 0)).encode()),
+                ("fs-dlq-host", (batch.host if batch else "").encode()),
+                ("fs-dlq-batch", (batch.batch_id if batch else "").encode())])

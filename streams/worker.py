@@ -1,20 +1,19 @@
 """`fleetscope streams`: one stream worker against a configured Kafka.
 
-It owns the store (chDB is one process per data directory), so it also
-serves the loopback endpoint that `fleetscope query` and `fleetscope up`'s
-status line use while it runs.
+It computes and publishes; it never opens the store (sinks do), so any number
+of workers share the consumer group, also beside the embedded chDB. Its jobs'
+models and window marks are read back from <prefix>.model-state.
 """
 from __future__ import annotations
 
 import logging
 
 from fleetscope.config import Config
-from fleetscope.store import open_store
-from fleetscope.store.endpoint import QueryEndpoint
 from fleetscope.kafka_settings import client_conf
-from fleetscope.topics import prepare_topics
+from fleetscope.topics import MODEL_STATE, prepare_topics
 from fleetscope.streams.app import create_app, run_worker
 from fleetscope.streams.processor import StreamProcessor
+from fleetscope.streams.state_sources import ModelStateTopic
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +24,15 @@ def derived_producer(cfg: Config, bootstrap: str):
                                                     "linger.ms": 5, "client.id": "fleetscope-streams"}))
 
 
+def state_reader(cfg: Config, bootstrap: str) -> ModelStateTopic:
+    return ModelStateTopic(client_conf(cfg, bootstrap, **{"group.id": f"{cfg.consumer_group}-state-reader"}),
+                           cfg.topic(MODEL_STATE))
+
+
 def run_streams(cfg: Config, bootstrap: str) -> None:
     prepare_topics(cfg, bootstrap)
-    store = open_store(cfg.data_dir, cfg.database, cfg.clickhouse_url, cfg.ttl_days, prefer_endpoint=False)
-    applied = store.migrate()
-    if applied:
-        log.info("applied migrations: %s", ", ".join(applied))
-    processor = StreamProcessor(cfg, store, derived_producer(cfg, bootstrap))
-    endpoint = QueryEndpoint(store, cfg.data_dir, stats_provider=processor.snapshot)
-    endpoint.start()
-    from fleetscope.streams.worker_metrics import WorkerMetrics
-    metrics = WorkerMetrics(cfg, bootstrap, processor).start()  # /metrics (metrics_address:metrics_port)
+    states = state_reader(cfg, bootstrap)
+    processor = StreamProcessor(cfg, producer=derived_producer(cfg, bootstrap), states=states)
     try:
         run_worker(create_app(cfg, bootstrap, processor))
     finally:
@@ -44,6 +41,4 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
                 processor.close()
             except Exception:
                 log.exception("final model checkpoint failed; the last periodic one stands")
-        metrics.stop()
-        endpoint.stop()
-        store.close()
+        states.close()

@@ -21,11 +21,18 @@ log = logging.getLogger(__name__)
 # Every source the schema knows has its raw topic: a new source cannot be published without one.
 RAW_SOURCES = tuple(SOURCE_COLUMNS)
 DERIVED = ("features", "scores", "anomalies", "diagnoses", "dlq")
+MODEL_STATE = "model-state"  # compacted, keyed by tenant/job: the latest state of each job wins
+TOPIC_CONFIG = {MODEL_STATE: {"cleanup.policy": "compact"}}
 BROKER_DEFAULT_REPLICATION = -1  # CreateTopics with -1 takes the broker's default.replication.factor (KIP-464)
 
 
 def all_topics(cfg: Config) -> list[str]:
-    return [cfg.raw_topic(s) for s in RAW_SOURCES] + [cfg.topic(d) for d in DERIVED]
+    return [cfg.raw_topic(s) for s in RAW_SOURCES] + [cfg.topic(d) for d in DERIVED] + [cfg.topic(MODEL_STATE)]
+
+
+def topic_config(name: str) -> dict[str, str]:
+    """Per-topic settings at creation (by the name's suffix after the prefix)."""
+    return next((conf for suffix, conf in TOPIC_CONFIG.items() if name.endswith("." + suffix)), {})
 
 
 def partitions_by_topic(cfg: Config) -> dict[str, int]:
@@ -107,7 +114,7 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: 
 
 
 def _create(admin, partitions: dict[str, int], replication: int, timeout_s: float) -> list[str]:
-    futures = admin.create_topics([NewTopic(n, num_partitions=p, replication_factor=replication)
+    futures = admin.create_topics([NewTopic(n, num_partitions=p, replication_factor=replication, config=topic_config(n))
                                    for n, p in partitions.items()], operation_timeout=timeout_s)
     created = []
     for name, fut in futures.items():

@@ -1,0 +1,1 @@
+"""JSON Schemas of the JSON topics (<prefix>.anomalies, <prefix>.diagnoses); data only."""
