@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_tenants(sub)
     from fleetscope.cli.alert import register as register_alert
     register_alert(sub)
+    from fleetscope.cli.sink import register as register_sink
+    register_sink(sub)
     from fleetscope.cli.trace import register as register_trace
     register_trace(sub)
     add_global_options(p)  # last: every subcommand registered above gets them
@@ -148,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as exc:  # known failures get one clear line, not a traceback
         from fleetscope.broker import BrokerError
+        from fleetscope.producers.tenant_sources import TenantMapError
         from fleetscope.store import StoreError
-        if isinstance(exc, (StoreError, BrokerError)):
+        if isinstance(exc, (StoreError, BrokerError, TenantMapError)):  # TenantMapError: a broken tenant_map_file
             print(f"fleetscope: {exc}", file=sys.stderr)
             return 1
         raise

@@ -94,6 +94,7 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) ->
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     broker = None
     streams = None
+    sink = None
     agent = None
     agent_thread = None
     try:
@@ -102,6 +103,11 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) ->
             broker = EmbeddedBroker(cfg.embedded_broker_port, log_path=cfg.data_dir / "broker.log").start()
             bootstrap = broker.bootstrap
         ensure_topics(bootstrap, all_topics(cfg), cfg.partitions)
+        env = {**os.environ, "FLEETSCOPE_KAFKA": bootstrap, "FLEETSCOPE_DATA_DIR": str(cfg.data_dir)}
+        # the sink owns chDB and the loopback endpoint; the worker only computes and publishes
+        sink = subprocess.Popen([sys.executable, "-m", "fleetscope", "sink"], env=env,
+                                stdout=open(cfg.data_dir / "sink.log", "ab"), stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
         worker_log = open(cfg.data_dir / "streams.log", "ab")
         streams = subprocess.Popen([sys.executable, "-m", "fleetscope", "streams"],
                                    env={**os.environ, "FLEETSCOPE_KAFKA": bootstrap,
@@ -117,7 +123,7 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False) ->
     except KeyboardInterrupt:
         pass
     finally:
-        _shutdown(agent, agent_thread, streams, broker)
+        _shutdown(agent, agent_thread, streams, broker, sink)
     return 0 if streams is None or streams.returncode in (0, -signal.SIGTERM, None) else 1
 
 
@@ -155,17 +161,18 @@ def _watch(cfg, agent, streams, bootstrap, duration_s, plain) -> None:
         probe.close()
 
 
-def _shutdown(agent, agent_thread, streams, broker) -> None:
+def _shutdown(agent, agent_thread, streams, broker, sink=None) -> None:
     if agent is not None:
         agent.stop()
         if agent_thread is not None:
             agent_thread.join(15)  # lets the publisher flush what it holds
-    if streams is not None and streams.poll() is None:
-        streams.send_signal(signal.SIGTERM)
-        try:
-            streams.wait(30)
-        except subprocess.TimeoutExpired:
-            streams.kill()
-            streams.wait()
+    for proc in (streams, sink):  # the worker publishes what it holds, then the sink stores it
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     if broker is not None:
         broker.stop()

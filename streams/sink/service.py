@@ -1,0 +1,46 @@
+"""`fleetscope sink`: one sink process. It owns the store (chDB allows one process per data
+directory), applies the migrations, and serves the loopback endpoint that `fleetscope query` and
+`fleetscope up`'s status line use. Any number of sinks share the group `<consumer_group>-sink`
+against a ClickHouse server; on the embedded chDB, one."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from fleetscope.kafka_settings import client_conf
+from fleetscope.store import open_store
+from fleetscope.store.endpoint import QueryEndpoint
+from fleetscope.topics import prepare_topics
+from fleetscope.streams.sink.consumer import POLL_RECORDS, Sink, sink_topics
+
+log = logging.getLogger(__name__)
+
+
+def run_sink(cfg, bootstrap: str, stop: threading.Event | None = None) -> None:
+    from confluent_kafka import Consumer, Producer
+    prepare_topics(cfg, bootstrap)
+    store = open_store(cfg.data_dir, cfg.database, cfg.clickhouse_url, cfg.ttl_days, prefer_endpoint=False)
+    applied = store.migrate()
+    if applied:
+        log.info("applied migrations: %s", ", ".join(applied))
+    consumer = Consumer(client_conf(cfg, bootstrap, **{
+        "group.id": f"{cfg.consumer_group}-sink", "enable.auto.commit": False, "auto.offset.reset": "earliest",
+        "fetch.wait.max.ms": 50, "queued.max.messages.kbytes": 65536, "session.timeout.ms": 6000,
+        "heartbeat.interval.ms": 1000, "client.id": "fleetscope-sink"}))
+    producer = Producer(client_conf(cfg, bootstrap, **{"acks": "all", "enable.idempotence": True,
+                                                        "client.id": "fleetscope-sink"}))
+    sink = Sink(cfg, store, consumer, producer, poll_records=POLL_RECORDS)
+    consumer.subscribe(sink_topics(cfg), on_assign=sink.on_assign)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    endpoint = QueryEndpoint(store, cfg.data_dir, stats_provider=sink.snapshot)
+    endpoint.start()
+    try:
+        sink.run(stop)
+    finally:
+        endpoint.stop()
+        consumer.close()
+        store.close()
