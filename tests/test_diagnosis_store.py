@@ -15,7 +15,7 @@ from fleetscope.streams.diagnosis.kb import load_kb
 from fleetscope.streams.diagnosis.matcher import diagnose
 from fleetscope.streams.diagnosis.records import diagnosis_columns, diagnosis_message
 from test_kb_entries import CASES, anomaly
-from test_remediation import RecordingExecutor
+from support.recording_executor import RecordingExecutor
 
 NOW_NS = (time.time_ns() // 1_000_000) * 1_000_000  # ms-aligned: the column is DateTime64(3)
 
@@ -158,8 +158,9 @@ def test_cli_remediate_execute_needs_both_opt_ins(cfg, capsys):
                                "--operator", "alice"), cfg, executor=ex) == 0
     assert ("run", ("kubectl", "cordon", "node-a")) in ex.calls
     log = _log(cfg)
-    assert [(r["mode"], r["status"]) for r in log] == [("refused", "refused"), ("execute", "ok")]
-    assert log[1]["evidence_after"]["exit_code"] == "0" and "check" in log[1]["evidence_before"]
+    # the intent is journaled before the command runs, the outcome after it
+    assert [(r["mode"], r["status"]) for r in log] == [("refused", "refused"), ("execute", "started"), ("execute", "ok")]
+    assert log[2]["evidence_after"]["exit_code"] == "0" and "check" in log[2]["evidence_before"]
 
 
 def test_cli_kb_list_and_show(capsys, kb):

@@ -20,7 +20,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def test_every_package_in_the_tree_is_declared():
+    """A package folder missing from pyproject's list would be absent from the wheel while the editable install
+    still finds it: every folder with an __init__.py under the mapped roots must be declared."""
+    import tomllib
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"src/fleetscope": "fleetscope", "producers": "fleetscope.producers", "streams": "fleetscope.streams",
+             "sql": "fleetscope.sql", "kb": "fleetscope.kb", "bpf": "fleetscope.bpf"}
+    found = set()
+    for folder, package in roots.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join([package, *parts]))
+    assert sorted(found - declared) == [] and sorted(declared - found) == []
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +54,7 @@ def wheel(tmp_path_factory) -> Path:
     return found
 
 
+@pytest.mark.slow
 def test_the_wheel_has_one_top_level_package_and_carries_its_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
@@ -72,6 +87,8 @@ def run_outside(installed: Path, tmp_path: Path, *args: str) -> subprocess.Compl
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_installed_commands_work_outside_the_checkout(installed, tmp_path):
     where = subprocess.run([str(installed / "bin" / "python"), "-c",
                             "import fleetscope.sql, fleetscope.streams; print(fleetscope.sql.__file__); "
