@@ -108,7 +108,8 @@ class SingleProbes:
     def __init__(self, tracer: TorchTracer, pid: int):
         from bcc import BPF
         self.pid = pid
-        self.lib, self.offsets, _ = tracer.pids[pid]
+        ops = tracer.pids[pid]["ops"]  # a FamilyProbes
+        self.lib, self.offsets = ops.lib, ops.entries
         self.probes = 2 * len(self.offsets)
         # its own copy of the programs: a program loaded for uprobe_multi links cannot go on a perf event
         self.bpf = BPF(src_file=str(package_dir("fleetscope.bpf") / "torch.bpf.c").encode(), cflags=[f"-I{package_dir('fleetscope.bpf')}", "-Wno-everything"])
@@ -261,7 +262,7 @@ def main():
             assert t.add_pid(loop.pid), t.unavailable
             t.set_family_enabled("ops", False)
         single = SingleProbes(small, loop.pid)
-        n_multi = 2 * len(tracer.pids[loop.pid][1])
+        n_multi = 2 * len(tracer.pids[loop.pid]["ops"].entries)
 
         def toggler(t):
             def toggle():
