@@ -60,5 +60,5 @@ def test_the_manager_builds_the_python_tracer_with_the_configured_prefixes():
 
 def test_an_unknown_tracer_name_is_refused_with_the_known_ones():
     from fleetscope.config import ConfigError
-    with pytest.raises(ConfigError, match="known: \\['kernel', 'cuda', 'nccl', 'python', 'torch'\\]"):
+    with pytest.raises(ConfigError, match="known: \\['kernel', 'cuda', 'nccl', 'python', 'torch', 'python_sampler'\\]"):
         Config(trace=("gpu",)).validate()

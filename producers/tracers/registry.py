@@ -31,6 +31,9 @@ TRACERS: dict[str, TracerEntry] = {
     "nccl": TracerEntry("nccl", "NcclTracer", sample_frac=True),
     "python": TracerEntry("python_vm", "PythonTracer", sample_frac=True, options={"prefixes": "trace_python_prefixes"}),
     "torch": TracerEntry("torch_ops", "TorchTracer", sample_frac=True),
+    # sampled stacks through py-spy: any CPython 3.9-3.14, USDT or not
+    "python_sampler": TracerEntry("python_sampler", "PythonSampler", sample_frac=True,
+                                  options={"prefixes": "trace_python_prefixes"}),
 }
 TRACED_SOURCES = tuple(name for name, entry in TRACERS.items() if entry.sample_frac)
 

@@ -34,7 +34,7 @@ SOURCE_COLUMNS: dict[str, dict] = {
 # Traced sources: uprobe/USDT tracers duty-cycle their probes under an
 # overhead budget, so every row says what fraction of its interval the probe
 # family was attached (1.0 = always on). Counts divide by it downstream.
-TRACED_SOURCES = ("cuda", "nccl", "python", "torch")
+TRACED_SOURCES = ("cuda", "nccl", "python", "torch", "python_sampler")
 SAMPLE_FRAC = {"sample_frac": np.dtype("<f8")}
 SOURCE_COLUMNS.update({src: {**IDENTITY_COLUMNS, **METRIC_COLUMNS, **SAMPLE_FRAC} for src in TRACED_SOURCES})
 
