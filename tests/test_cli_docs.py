@@ -84,8 +84,14 @@ def test_the_readme_configuration_table_is_the_configs_fields_and_defaults():
         env_cell, default_cell = rows[f.name]
         if f.name in env_of and env_of[f.name] not in env_cell:
             wrong.append(f"{f.name}: environment should name {env_of[f.name]}, README says {env_cell!r}")
-        if f.default is not MISSING:
-            want = documented_default(f.default)
-            if want is not None and want not in default_cell.replace("`", ""):
-                wrong.append(f"{f.name}: default is {want}, README says {default_cell!r}")
+        if f.default is MISSING:
+            continue
+        if isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
+            numbers = [float(n) for n in re.findall(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", default_cell.replace(",", ""))]
+            if float(f.default) not in numbers:
+                wrong.append(f"{f.name}: default is {f.default}, README says {default_cell!r}")
+            continue
+        want = documented_default(f.default)
+        if want is not None and want.replace(" ", "") not in default_cell.replace("`", "").replace(" ", ""):
+            wrong.append(f"{f.name}: default is {want}, README says {default_cell!r}")
     assert wrong == []

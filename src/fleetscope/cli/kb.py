@@ -27,12 +27,12 @@ def register(subparsers) -> None:
     kb_sub = kb.add_subparsers(dest="kb_command", required=True)
     kb_sub.add_parser("list", help="one line per entry").set_defaults(func=_with_cfg(cmd_kb_list))
     show = kb_sub.add_parser("show", help="one entry in full")
-    show.add_argument("name")
+    show.add_argument("name", help="the entry's name, as `kb list` shows it")
     show.set_defaults(func=_with_cfg(cmd_kb_show))
 
     diag = subparsers.add_parser("diagnose", help="what happened to a job: diagnoses ranked, with evidence")
     _selection(diag)
-    diag.add_argument("--format", choices=("table", "json"), default="table")
+    diag.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     diag.set_defaults(func=_with_cfg(cmd_diagnose))
 
     rem = subparsers.add_parser("remediate", help="plan (dry run, the default) or run a job's remediations")
@@ -55,10 +55,10 @@ def register(subparsers) -> None:
 
 
 def _selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job", required=True)
+    p.add_argument("--job", required=True, help="the job's name, as its ranks report it")
     p.add_argument("--tenant", help="only this tenant (default: every tenant with this job name)")
     p.add_argument("--since", default="24h", help="a duration back from now (30m, 6h, 7d) or an ISO time; default 24h")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=int, default=50, help="at most this many diagnoses (default 50)")
 
 
 def _with_cfg(handler):
