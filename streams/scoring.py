@@ -171,7 +171,7 @@ class Scorer:
             results[i].detectors.append("wait")
         self.stats.promoted += len(step.promoted)
         ghosts, explained = [], {}
-        for f in self.loud.step((tenant, job), [(w.key[2], w.key[3]) for w, _ in members], evidence):
+        for f in self.loud.step((tenant, job), start, [(w.key[2], w.key[3]) for w, _ in members], evidence):
             if f.index is None:   # a vanished rank: a row of its own, in the window it went silent
                 ghost = VanishedWindow((tenant, job, f.host, f.rank), start)
                 ghosts.append((ghost, WindowScore(f.rank, float("nan"), None, True, [f.kind], warm=True),

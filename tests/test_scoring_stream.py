@@ -284,3 +284,87 @@ def test_in_a_gloo_job_the_rank_that_waits_least_is_the_culprit(store, tmp_path)
     others = {k: role for k, (a, role) in roles.items() if a and k[0] != STRAGGLER and k[1] >= ONSET}
     # the peers' waits step up at the onset and the model flags them too: all labelled waiting
     assert others and set(others.values()) == {"waiting"}, others
+
+
+XID_AT, GONE_AT, HUNG_AT, GONE_RANK, XID_RANK = 15, 20, 30, 2, 4   # windows; rank 4 runs on node-b's gpu1
+
+
+def node_gpu_batch(host: str, ts: int, tick: int) -> Batch:
+    """The NVML sampler's device gauges of a node's three GPUs, plus the XidWatcher's event row (Xid 79,
+    fallen off the bus, on node-b's gpu1) once, in window XID_AT."""
+    rows = [(m, f"gpu{g}", v, 0) for g in range(3)
+            for m, v in (("nvml.temp_c", 60.0 + g), ("nvml.sm_clock_mhz", 1980.0), ("nvml.power_w", 500.0))]
+    if host == HOST_OF[XID_RANK] and tick == 2 * XID_AT:
+        rows.append(("nvml.xid", f"gpu{XID_RANK % 3}", 79.0, 0))
+    n = len(rows)
+    metric, device, value, interval = zip(*rows)
+    cols = {"ts_ns": np.full(n, ts, "<i8"), **node_identity(host, n), "metric": StrColumn.of(metric),
+            "device": StrColumn.of(device), "value": np.array(value, "<f8"), "interval_ns": np.array(interval, "<i8")}
+    return Batch("nvml", host, {k: cols[k] for k in SOURCE_COLUMNS["nvml"]}, created_ns=ts)
+
+
+def loud_batches(tick: int, rng) -> list[Batch]:
+    """The healthy NCCL job with NVML (each rank's process rows name its GPU, gpu<rank % 3>), in which an
+    Xid hits rank 4's GPU, rank 2 stops sending at GONE_AT (killed), and from HUNG_AT no rank completes
+    a collective (the NCCL tracer reports a call when it returns: no nccl rows), CUDA rows go on."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    out = []
+    for b in tick_batches(tick, rng):
+        if b.source == "host":
+            continue
+        rank = int(b.columns["rank"][0])
+        if rank == GONE_RANK and window >= GONE_AT:
+            continue
+        if b.source == "nccl" and window >= HUNG_AT:
+            continue
+        out.append(b)
+    for r in range(RANKS):
+        if not (r == GONE_RANK and window >= GONE_AT):
+            out.append(rank_batch("nvml", r, ts, [("nvml.proc_sm_util", f"gpu{r % 3}", 90.0, 0)]))
+    for h in ("node-a", "node-b"):
+        out += [host_batch(h, ts, rng), node_gpu_batch(h, ts, tick)]
+    return out
+
+
+class TickClock(FakeClock):
+    """Wall time moves with the ticks, so a step missing a rank is released after step_hold_s."""
+
+
+def test_xid_a_vanished_rank_and_a_hung_collective_are_each_flagged_in_their_window(store, tmp_path):
+    """The loud failures, from the rows the NVML sampler, XidWatcher and tracers send (written here: no
+    GPU on this machine), through the real windows, features, scorer and KB."""
+    clock, rng, offset = TickClock(), np.random.default_rng(11), [0]
+    proc = processor(store, tmp_path, clock)
+    for tick in range(2 * 36):
+        clock.now = tick * 0.5
+        for batch in loud_batches(tick, rng):
+            proc.handle(encode(batch), None, MessageRef("fleetscope.raw.x", 0, offset[0]))
+            offset[0] += 1
+        proc.flush()
+    rows = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), detectors, role FROM anomalies FINAL")
+    loud = {}
+    for r, ms, dets, role in rows:
+        for kind in set(dets) & {"xid", "vanished", "hung"}:
+            loud.setdefault(kind, set()).add((r, window_of(ms), role))
+    # the Xid: only the rank on that GPU, in that window, the culprit
+    assert loud["xid"] == {(XID_RANK, XID_AT, "culprit")}, loud
+    # the killed rank: one row of its own, in the window it died in (its last rows' window stays open for
+    # late rows, so the step goes on without it after step_hold_s); then never again
+    assert loud["vanished"] == {(GONE_RANK, GONE_AT - 1, "culprit")}, loud
+    # the hang: every remaining rank, from its first silent window, as the job's
+    hung = loud["hung"]
+    assert {w for _, w, _ in hung} and min(w for _, w, _ in hung) == HUNG_AT, hung
+    assert {r for r, w, _ in hung if w == HUNG_AT} == set(range(RANKS)) - {GONE_RANK}
+    assert {role for *_, role in hung} == {"job"}
+
+    diag = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), kb_entry, evidence FROM diagnoses FINAL "
+                    "ORDER BY confidence DESC")
+    best = {}
+    for r, ms, entry, evidence in diag:
+        best.setdefault((r, window_of(ms)), (entry, evidence))
+    entry, evidence = best[(XID_RANK, XID_AT)]
+    assert entry == "xid_hardware_error"
+    assert evidence["gpu_xid_count"] == 1 and evidence["gpu_xid_last_code"] == 79 and evidence["gpu_xid_gpu"] == 1
+    assert best[(GONE_RANK, GONE_AT - 1)][0] == "crashed_rank"
+    assert best[(0, HUNG_AT)][0] == "hung_collective"

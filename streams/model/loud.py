@@ -10,7 +10,10 @@ GPU, see streams/rank_context.py):
   value that merely stays non-zero is not new);
 - ``vanished``: a rank of the previous step sent nothing in this one while
   others of its job did (a crashed or killed rank); it gets a row of its own
-  with ``rank_vanished`` = 1;
+  with ``rank_vanished`` = 1. The window it died in is the first one missing:
+  that window stays open for late rows, so the step goes on without it once
+  ``step_hold_s`` has passed. A step older than the job's newest (such a
+  window, closed later by ``idle_close_s``) changes no membership;
 - ``hung``: every rank that had been completing collectives (NCCL calls, or
   gloo waits) for ``history`` windows completed none in this window: the
   tracers report a call when it returns, so a call stuck in flight reads as
@@ -43,13 +46,15 @@ class LoudFailures:
     def __init__(self, history: int = 3):
         self.history = history
         self.members: dict[tuple[str, str], set[tuple[str, int]]] = {}
+        self.newest: dict[tuple[str, str], int] = {}               # the job's newest step start
         self.calling: dict[tuple[str, str, str, int], int] = {}   # windows in a row with completed collectives
         self.ecc_seen: dict[tuple[str, int], float] = {}            # (host, rank) -> its GPU's last cumulative count
         self.counts = {"xid": 0, "ecc": 0, "vanished": 0, "hung": 0}
 
-    def step(self, job: tuple[str, str], members: Sequence[tuple[str, int]],
+    def step(self, job: tuple[str, str], start_ns: int, members: Sequence[tuple[str, int]],
              vectors: Sequence[Mapping[str, float]]) -> list[LoudFlag]:
         flags: list[LoudFlag] = []
+        late = start_ns <= self.newest.get(job, -1)
         for i, ((host, rank), v) in enumerate(zip(members, vectors)):
             if _num(v.get("gpu_xid_count")) >= 1:
                 flags.append(LoudFlag(i, host, rank, "xid"))
@@ -57,6 +62,9 @@ class LoudFailures:
             if new > 0 or _num(v.get("gpu_ecc_dbe_count")) >= 1:
                 flags.append(LoudFlag(i, host, rank, "ecc", {"gpu_ecc_new_errors": max(new, 0.0)
                                                              + _num(v.get("gpu_ecc_dbe_count"))}))
+        if late:   # a late or replayed step: its hardware events count, its membership and silence do not
+            return self._count(flags)
+        self.newest[job] = start_ns
         present = set(members)
         before = self.members.get(job)
         if before and present:
@@ -64,6 +72,9 @@ class LoudFailures:
                       for host, rank in sorted(before - present)]
         self.members[job] = present
         flags += self._hung(job, members, vectors)
+        return self._count(flags)
+
+    def _count(self, flags: list[LoudFlag]) -> list[LoudFlag]:
         for f in flags:
             self.counts[f.kind] += 1
         return flags
