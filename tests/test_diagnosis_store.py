@@ -14,7 +14,7 @@ from fleetscope.store import ChdbStore
 from fleetscope.streams.diagnosis.kb import load_kb
 from fleetscope.streams.diagnosis.matcher import diagnose
 from fleetscope.streams.diagnosis.records import diagnosis_columns, diagnosis_message
-from test_kb_entries import CASES, anomaly
+from support.kb_cases import CASES, anomaly
 from support.recording_executor import RecordingExecutor
 
 NOW_NS = (time.time_ns() // 1_000_000) * 1_000_000  # ms-aligned: the column is DateTime64(3)

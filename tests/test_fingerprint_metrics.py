@@ -9,7 +9,7 @@ from fleetscope.streams.diagnosis.fingerprint import Fingerprint, pattern_vector
 from fleetscope.streams.diagnosis.kb import load_kb
 from fleetscope.eval.fingerprint_metrics import Outcome, fingerprint_metrics, outcome
 from fleetscope.streams.diagnosis.subsystems import SUBSYSTEMS, subsystem_of
-from test_kb_entries import CASES, anomaly
+from support.kb_cases import CASES, anomaly
 
 # ---- subsystems and attribution ---------------------------------------------------
 
