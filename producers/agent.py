@@ -1,6 +1,7 @@
-"""The node agent loop: sample on a fixed cadence, publish, report its own health.
+"""The node agent loop: sample its sources on a fixed cadence, publish, report its own health.
 
-The agent's own counters (sent, spooled, dropped) go out as `agent` events
+What it samples comes from the source registry (producers/sources.py), by name from the configuration.
+The agent's own counters (sent, spooled, dropped) and each source's stats go out as `agent` events
 every tick, so a drop anywhere on the node is visible downstream.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fleetscope.config import Config
 from fleetscope.schema import node_identity
 from fleetscope.wire import Batch, StrColumn
 from fleetscope.producers.publisher import Publisher
+from fleetscope.producers.sources import Source, build_sources
 
 log = logging.getLogger(__name__)
 
@@ -33,36 +35,38 @@ def agent_stats_batch(host: str, stats: dict, now_ns: int) -> Batch:
 
 
 class Agent:
-    def __init__(self, cfg: Config, publisher: Publisher, samplers: list):
+    def __init__(self, cfg: Config, publisher: Publisher, sources: list[Source]):
         self.cfg = cfg
         self.publisher = publisher
-        self.samplers = samplers  # objects with .sample(now_ns) -> Batch | list[Batch] | None
-        self.stat_sources: list = []  # objects with .stats() -> dict, merged into the agent's health events
-        self.closers: list = []  # called when the run ends (watcher threads, NVML handles)
+        self.sources = sources  # sampled every tick, their stats() in the health events, closed at the end
+        self.closers: list = []  # also called when the run ends (the /metrics endpoint)
         self.ticks = 0
         self.events_sampled = 0
         self._stop = threading.Event()
-        self.parts_lock = threading.Lock()  # parts that join late (tracers) vs. the run ending
-        self.stopped = False
+
+    @property
+    def stat_sources(self) -> list[Source]:
+        """What the health events (and `up`'s status line, and /metrics) read stats() from."""
+        return self.sources
 
     def tick(self) -> None:
         now_ns = time.time_ns()
-        for sampler in self.samplers:
+        for source in self.sources:
             try:
-                batch = sampler.sample(now_ns)
-            except Exception:  # a broken sampler must not stop the others
-                log.exception("sampler %s failed", type(sampler).__name__)
+                batch = source.sample(now_ns)
+            except Exception:  # a broken source must not stop the others
+                log.exception("source %s failed", source.name)
                 continue
             for one in (batch if isinstance(batch, list) else [batch] if batch is not None else []):
                 self.events_sampled += one.count
                 self.publisher.publish(one)
         self.publisher.retry_spool()
         stats = {**asdict(self.publisher.stats), "events_sampled": self.events_sampled}
-        for source in self.stat_sources:
+        for source in self.sources:
             try:
                 stats.update(source.stats())
             except Exception:  # health reporting must not stop sampling
-                log.exception("stats of %s failed", type(source).__name__)
+                log.exception("stats of source %s failed", source.name)
         self.publisher.publish(agent_stats_batch(self.cfg.host, stats, now_ns))
         self.ticks += 1
 
@@ -116,9 +120,7 @@ class Agent:
         self._stop.set()
 
     def _close_parts(self) -> None:
-        with self.parts_lock:
-            self.stopped = True
-        for close in self.closers:
+        for close in [source.close for source in self.sources] + self.closers:
             try:
                 close()
             except Exception:  # stopping must reach every part
@@ -134,71 +136,20 @@ def identity_rules(cfg: Config):
 
 
 def build_agent(cfg: Config, bootstrap: str) -> Agent:
-    from fleetscope.producers.host.collector import build_collectors
-    from fleetscope.producers.host.sampler import HostSampler
-    collectors = build_collectors(list(cfg.collectors) if cfg.collectors else None)
+    """An agent with every source cfg selects (see producers/sources.py); ConfigError or TenantMapError
+    when the configuration cannot work, before anything is sampled."""
     publisher = Publisher(cfg, bootstrap)
-    agent = Agent(cfg, publisher, [HostSampler(cfg.host, collectors)])
+    agent = Agent(cfg, publisher, [])
     from fleetscope.producers.agent_metrics import start_agent_metrics
     agent.closers.append(start_agent_metrics(cfg, agent).stop)  # /metrics (metrics_address:metrics_port)
-    if cfg.nvml:
+
+    def new_resolver():  # one per source: each resolves on its own thread, with its own cache
         from fleetscope.producers.identity import IdentityResolver
-        from fleetscope.producers.nvml.sampler import NvmlSampler
-        from fleetscope.producers.nvml.xid_watcher import XidWatcher
-        nvml = NvmlSampler(cfg.host, resolver=IdentityResolver(identity_rules(cfg), host=cfg.host), library_path=cfg.nvml_library)
-        agent.samplers.append(nvml)
-        agent.closers.append(nvml.close)
-        # XID and other critical events are published the moment they happen, not on the tick
-        watcher = XidWatcher(cfg.host, publisher.publish, library_path=cfg.nvml_library)
-        watcher.start()
-        agent.closers.append(watcher.stop)
-    if cfg.proc_sampling:  # reads /proc only: runs without root
-        from fleetscope.producers.identity import IdentityResolver
-        from fleetscope.producers.process_sampler import ProcessSampler
-        proc = ProcessSampler.from_config(cfg, IdentityResolver(identity_rules(cfg), host=cfg.host))
-        agent.samplers.append(proc)
-        agent.stat_sources.append(proc)
-    if cfg.trace:
-        start_tracing(cfg, agent)
-    return agent
-
-
-def start_tracing(cfg: Config, agent: Agent) -> None:
-    """Attach the eBPF tracers if this host can run them; without them the agent still samples.
-
-    Compiling the BPF programs and calibrating the probe cost take seconds, so
-    this happens on a thread: host and GPU sampling start at once, and the
-    tracers join the agent's samplers when they are ready.
-    """
-    import os
-    if os.geteuid() != 0:
-        log.warning("eBPF tracing is off: the agent is not root (it needs CAP_BPF and CAP_PERFMON); "
-                    "host and GPU sampling continue")
-        return
-    threading.Thread(target=_start_tracing, args=(cfg, agent), name="tracer-start", daemon=True).start()
-
-
-def _start_tracing(cfg: Config, agent: Agent) -> None:
-    import os
-    try:  # Linux nices threads one by one: the BPF compile must not slow the pipeline's start
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except OSError:
-        pass
-    from fleetscope.producers.identity import IdentityResolver
-    from fleetscope.producers.tracers.manager import TracerManager
+        return IdentityResolver(identity_rules(cfg), host=cfg.host)
     try:
-        manager = TracerManager(cfg, resolver=IdentityResolver(identity_rules(cfg), host=cfg.host))
-    except Exception:  # tracing is an add-on: the agent keeps sampling without it
-        log.exception("eBPF tracing is off: the tracer manager failed to start")
-        return
-    if not manager.tracers:
-        log.warning("eBPF tracing is off: no tracer could start (%s)", "; ".join(manager.unavailable.values()))
-        return
-    with agent.parts_lock:
-        if agent.stopped:
-            manager.close()
-            return
-        manager.start()
-        agent.samplers.append(manager)
-        agent.stat_sources.append(manager)
-        agent.closers.append(manager.close)
+        agent.sources.extend(build_sources(cfg, new_resolver, publisher.publish))
+    except BaseException:
+        agent._close_parts()  # the /metrics port is free again for a corrected restart
+        raise
+    log.info("agent sources: %s", ", ".join(source.name for source in agent.sources))
+    return agent

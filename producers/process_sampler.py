@@ -122,6 +122,8 @@ class RankTargets(TargetSpec):
 
 
 class ProcessSampler:
+    name = "proc"
+
     def __init__(self, host: str, resolver, targets: TargetSpec | None = None, poll_s: float = 1.0,
                  proc_root: str = "/proc", clock=time.monotonic, min_interval_s: float = 0.0):
         self.host = host
@@ -155,6 +157,9 @@ class ProcessSampler:
     def stats(self) -> dict:
         return {"proc_pids": len(self.watcher.current), "proc_read_errors": self.read_errors,
                 "proc_vanished": self.vanished, "proc_io_denied": self.io_denied}
+
+    def close(self) -> None:
+        pass  # it holds no descriptors or threads between ticks
 
     def sample(self, now_ns: int | None = None) -> Batch | None:
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
@@ -244,3 +249,8 @@ class ProcessSampler:
 
     def _identity(self, pid: int) -> tuple[str, str, int, int]:
         return identity(self.resolver, self.host, pid)
+
+
+def build_source(cfg, new_resolver, publish) -> ProcessSampler:
+    """The agent's proc source: it reads /proc only, so it runs without root."""
+    return ProcessSampler.from_config(cfg, new_resolver())

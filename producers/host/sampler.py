@@ -1,4 +1,4 @@
-"""HostSampler: run the host collectors once and pack their samples into one batch."""
+"""HostSampler: run the host collectors once and pack their samples into one batch (the agent's `host` source)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ import numpy as np
 
 from fleetscope.schema import SOURCE_COLUMNS
 from fleetscope.wire import Batch
-from fleetscope.producers.host.collector import Collector, Sample, load_builtin_collectors
+from fleetscope.producers.host.collector import Collector, Sample, build_collectors, load_builtin_collectors
 from fleetscope.producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,8 @@ _DUE_SLACK = 0.95
 
 
 class HostSampler:
+    name = "host"
+
     def __init__(self, host: str, collectors: list[Collector], use_cadence: bool = True):
         self.host = host
         self.collectors = list(collectors)
@@ -65,4 +67,16 @@ class HostSampler:
         # consumer) if the schema grows a column this sampler does not fill.
         return Batch(source="host", host=self.host, created_ns=now_ns, batch_id=self._batch_id(),
                      columns={name: columns[name] for name in spec})
+
+    def stats(self) -> dict:
+        return {}  # collector failures are logged with their traceback (collector_errors keeps the counts)
+
+    def close(self) -> None:
+        for collector in self.collectors:
+            collector.close()
+
+
+def build_source(cfg, new_resolver, publish) -> HostSampler:
+    """The agent's host source: the collectors `collectors` names, or every default-enabled one."""
+    return HostSampler(cfg.host, build_collectors(list(cfg.collectors) if cfg.collectors else None))
 

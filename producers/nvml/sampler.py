@@ -133,6 +133,8 @@ class _Rows:
 
 
 class NvmlSampler:
+    name = "nvml"
+
     def __init__(self, host: str, resolver=None, library_path: str | None = None,
                  pcie_min_interval_ns: int = 1_000_000_000, slow_interval_ns: int = 1_000_000_000,
                  static_interval_ns: int = 10_000_000_000, gpm_interval_ns: int = 1_000_000_000):
@@ -199,6 +201,9 @@ class NvmlSampler:
         # Status found during this tick (and at start-up) leads this tick's batch.
         pending, self._pending = self._pending, []
         return self._columns.batch(pending, rows, now_ns) if (rows or pending) else None
+
+    def stats(self) -> dict:
+        return {}  # failures travel as nvml.status / nvml.unsupported / nvml.gpu_lost rows in the batch itself
 
     def close(self) -> None:
         for dev in self._devices:
@@ -517,3 +522,8 @@ class _Columns:
             "ts_ns": ts, "tenant": columns["tenant"], "job": columns["job"], "rank": columns["rank"],
             "pid": columns["pid"], "gpu": gpu, "metric": metric, "device": device,
             "value": np.array(value, dtype=_F8), "interval_ns": np.array(interval, dtype=_I8)})
+
+
+def build_source(cfg, new_resolver, publish) -> NvmlSampler:
+    """The agent's nvml source. Without a usable NVML it still runs: it reports one nvml.status row."""
+    return NvmlSampler(cfg.host, resolver=new_resolver(), library_path=cfg.nvml_library)

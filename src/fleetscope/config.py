@@ -91,6 +91,9 @@ class Config:
     # Agent
     host: str = field(default_factory=socket.gethostname)
     sample_interval_s: float = 1.0
+    # What the agent samples, by source name (producers/sources.py): host, nvml, xid, proc, trace. None: every
+    # default-enabled one. nvml, proc_sampling and trace below still switch their sources off.
+    sources: tuple[str, ...] | None = None
     collectors: tuple[str, ...] | None = None  # None: every default-enabled collector
     spool_max_batches: int = 10_000  # batches held until Kafka acknowledges them (in flight and spooled together)
     spool_max_bytes: int = 256 * 1024 * 1024  # and their bytes in memory; past either bound the oldest is dropped, counted
@@ -195,6 +198,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_DATA_DIR": "data_dir", "FLEETSCOPE_WINDOW_S": "window_s",
     "FLEETSCOPE_ALLOWED_LATENESS_S": "allowed_lateness_s", "FLEETSCOPE_IDLE_CLOSE_S": "idle_close_s", "FLEETSCOPE_HOST": "host",
     "FLEETSCOPE_SAMPLE_INTERVAL_S": "sample_interval_s", "FLEETSCOPE_COLLECTORS": "collectors",
+    "FLEETSCOPE_SOURCES": "sources",
     "FLEETSCOPE_CONSUMER_GROUP": "consumer_group", "FLEETSCOPE_NVML": "nvml",
     "FLEETSCOPE_NVML_LIBRARY": "nvml_library", "FLEETSCOPE_TENANT_ENV": "tenant_env",
     "FLEETSCOPE_PROC_SAMPLING": "proc_sampling", "FLEETSCOPE_PROC_INTERVAL_S": "proc_interval_s",

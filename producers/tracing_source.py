@@ -1,0 +1,84 @@
+"""The agent's `trace` source: the eBPF tracers, run by one TracerManager, joining when they are ready.
+
+Compiling the BPF programs and calibrating the probe cost take seconds, so the manager is built on a
+thread: host and GPU sampling start at once, and until the manager is ready this source samples nothing.
+Tracing is an add-on: a host that cannot trace (no root, no tracer that starts) logs why, once, and the
+agent samples without it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+def start_manager(cfg, resolver):
+    """A started TracerManager for cfg.trace, or None (with the reason logged) when no tracer can run."""
+    from fleetscope.producers.tracers.manager import TracerManager
+    try:
+        manager = TracerManager(cfg, resolver=resolver)
+    except Exception:  # tracing is an add-on: the agent keeps sampling without it
+        log.exception("eBPF tracing is off: the tracer manager failed to start")
+        return None
+    if not manager.tracers:
+        log.warning("eBPF tracing is off: no tracer could start (%s)", "; ".join(manager.unavailable.values()))
+        return None
+    return manager
+
+
+class TracingSource:
+    name = "trace"
+
+    def __init__(self, make_manager: Callable[[], object | None]):
+        """make_manager builds the (not yet started) manager; it runs on this source's start thread."""
+        self._make_manager = make_manager
+        self._lock = threading.Lock()  # the manager arriving vs. the agent stopping
+        self._closed = False
+        self.manager = None
+        self._thread = threading.Thread(target=self._start, name="tracer-start", daemon=True)
+
+    def start(self) -> "TracingSource":
+        self._thread.start()
+        return self
+
+    def _start(self) -> None:
+        try:  # Linux nices threads one by one: the BPF compile must not slow the pipeline's start
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
+        manager = self._make_manager()
+        if manager is None:
+            return
+        with self._lock:
+            if self._closed:  # the agent stopped while the programs compiled
+                manager.close()
+                return
+            manager.start()
+            self.manager = manager
+
+    def sample(self, now_ns: int) -> list:
+        manager = self.manager
+        return manager.sample(now_ns) if manager is not None else []
+
+    def stats(self) -> dict:
+        manager = self.manager
+        return manager.stats() if manager is not None else {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            manager = self.manager
+        if manager is not None:
+            manager.close()
+
+
+def build_source(cfg, new_resolver, publish) -> TracingSource | None:
+    if os.geteuid() != 0:
+        log.warning("eBPF tracing is off: the agent is not root (it needs CAP_BPF and CAP_PERFMON); "
+                    "host and GPU sampling continue")
+        return None
+    resolver = new_resolver()  # here, not on the thread: a broken tenant map stops the agent's start
+    return TracingSource(lambda: start_manager(cfg, resolver)).start()
