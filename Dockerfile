@@ -1,6 +1,6 @@
 # Two images from one file (docker-compose.yml and deploy/kubernetes/ name the targets):
 #   docker build --target agent  -t fleetscope-agent  .   the node agent: Debian's bcc, the core install, root
-#   docker build --target worker -t fleetscope-worker .   stream worker (with its sinks) and `db migrate`: non-root
+#   docker build --target worker -t fleetscope-worker .   `streams`, `sink` and `db migrate`: non-root
 # Both install the wheel built in the builder stage (not an editable checkout) with the core dependencies only:
 # no chDB, torch or matplotlib. Against a ClickHouse server the worker needs nothing more; the embedded chDB
 # store is for `fleetscope up` on one machine, not for these images.
@@ -36,9 +36,8 @@ RUN python3 -m venv --system-site-packages /opt/fleetscope \
  && /opt/fleetscope/bin/python -c "import bcc, fleetscope.producers.agent"
 ENV PATH=/opt/fleetscope/bin:$PATH
 # Runs as root on purpose: it loads eBPF programs and reads every process's /proc (Kubernetes grants only the
-# capabilities it needs: deploy/kubernetes/agent-daemonset.yaml). Healthy while its Kafka answers with its credentials.
-HEALTHCHECK --interval=30s --timeout=15s --start-period=20s --retries=3 \
-  CMD ["python3", "-c", "from fleetscope.config import load; from fleetscope.topics import list_topic_names; c = load(); list_topic_names(c, c.kafka)"]
+# capabilities it needs: deploy/kubernetes/10-agent-daemonset.yaml). Healthy while it answers on its /metrics.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=30s --retries=3 CMD ["python3", "-m", "fleetscope.health"]
 ENTRYPOINT ["fleetscope"]
 CMD ["agent"]
 
@@ -51,8 +50,7 @@ RUN python3 -m venv /opt/fleetscope \
 ENV PATH=/opt/fleetscope/bin:$PATH FLEETSCOPE_DATA_DIR=/var/lib/fleetscope
 USER 10001
 WORKDIR /var/lib/fleetscope
-# Healthy once the worker has opened its store, applied migrations and serves its loopback endpoint (GET /health).
-HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
-  CMD ["python3", "-c", "import sys; from fleetscope.config import load; from fleetscope.store import endpoint_alive; sys.exit(0 if endpoint_alive(load().data_dir) else 1)"]
+# Healthy while `streams` answers on its /metrics, or `sink` on its loopback store endpoint (fleetscope/health.py).
+HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 CMD ["python3", "-m", "fleetscope.health"]
 ENTRYPOINT ["fleetscope"]
 CMD ["streams"]

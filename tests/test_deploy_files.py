@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -156,7 +157,8 @@ def test_compose_services_restart_wait_for_health_and_keep_data_in_named_volumes
     assert all(s.get("restart") for s in services.values()), "every service needs a restart policy"
     for name in ("kafka", "clickhouse", "grafana"):
         assert services[name].get("healthcheck", {}).get("test"), name
-    assert services["streams"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert services["sink"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert services["sink"]["depends_on"]["kafka"]["condition"] == "service_healthy"
     assert services["streams"]["depends_on"]["kafka"]["condition"] == "service_healthy"
     assert services["migrate"]["depends_on"]["clickhouse"]["condition"] == "service_healthy"
     named = set(compose["volumes"])
@@ -265,9 +267,9 @@ def test_the_agent_daemonset_has_bccs_mounts_and_capabilities_without_privilege(
     assert env["FLEETSCOPE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
 
 
-def test_workers_migrations_monitors_and_secrets_are_all_there():
+def test_workers_sinks_migrations_monitors_and_secrets_are_all_there():
     names = {(d["kind"], d["metadata"]["name"]) for _, d in manifests()}
-    assert ("Deployment", "fleetscope-streams") in names
+    assert {("Deployment", "fleetscope-streams"), ("Deployment", "fleetscope-sink")} <= names
     assert any(kind == "Job" for kind, _ in names)
     monitors = by_kind("ServiceMonitor")
     assert len(monitors) == 2 and all(e["port"] == "metrics" for m in monitors for e in m["spec"]["endpoints"])
@@ -276,9 +278,35 @@ def test_workers_migrations_monitors_and_secrets_are_all_there():
         assert any(s["metadata"]["labels"].items() >= m["spec"]["selector"]["matchLabels"].items()
                    and any(p["name"] == "metrics" for p in s["spec"]["ports"]) for s in services)
     secrets = by_kind("Secret")
-    assert {"fleetscope-kafka-agent", "fleetscope-kafka-worker", "fleetscope-clickhouse"} <= {
+    assert {"fleetscope-kafka-agent", "fleetscope-kafka-worker", "fleetscope-kafka-sink", "fleetscope-clickhouse"} <= {
         s["metadata"]["name"] for s in secrets}
     for s in secrets:  # templates only: nothing real is committed
         assert all("REPLACE-ME" in v for k, v in s["stringData"].items() if k != "username"), s["metadata"]["name"]
-    (worker,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "fleetscope-streams"]
-    assert worker["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    for deployment in by_kind("Deployment"):
+        assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # only the sinks and the migration hold ClickHouse credentials
+    holders = {d["metadata"]["name"] for d in by_kind("Deployment") + by_kind("Job")
+               if "fleetscope-clickhouse" in json.dumps(d)}
+    assert holders == {"fleetscope-sink"} | {j["metadata"]["name"] for j in by_kind("Job")}
+
+
+# ---- the images' health check ------------------------------------------------------------------------------
+
+def health(data_dir) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(data_dir)}
+    return subprocess.run([sys.executable, "-m", "fleetscope.health"], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_health_check_follows_a_real_metrics_endpoint(tmp_path):
+    from prometheus_client import CollectorRegistry
+    from fleetscope.metrics_endpoint import MetricsEndpoint
+    done = health(tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("unhealthy: no fleetscope process answers")
+    endpoint = MetricsEndpoint(CollectorRegistry(), "worker", "127.0.0.1", 0, tmp_path).start()
+    try:
+        done = health(tmp_path)
+        assert done.returncode == 0 and done.stdout.strip() == "healthy: worker /metrics", done.stderr
+    finally:
+        endpoint.stop()
+    assert health(tmp_path).returncode == 1  # stopped: its note is gone, nothing answers
