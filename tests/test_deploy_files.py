@@ -314,3 +314,15 @@ def test_health_check_follows_a_real_metrics_endpoint(tmp_path):
     finally:
         endpoint.stop()
     assert health(tmp_path).returncode == 1  # stopped: its note is gone, nothing answers
+
+
+def test_grafana_in_compose_mounts_the_folder_its_dashboard_provider_reads():
+    """The provider (deploy/grafana/provisioning/dashboards) names a path inside the container: the compose
+    service must mount the repository's dashboards there, or Grafana starts with none."""
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/fleetscope.yaml").read_text())
+    paths = {p["options"]["path"] for p in provider["providers"]}
+    mounts = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["grafana"]["volumes"]
+    mounted = {m.split(":")[1]: m.split(":")[0] for m in mounts if isinstance(m, str) and m.startswith("./")}
+    for path in paths:
+        assert mounted.get(path) == "./deploy/grafana/dashboards", f"{path} is not mounted from the repository"
+    assert list((ROOT / "deploy/grafana/dashboards").glob("*.json")), "no dashboards to provision"
