@@ -37,7 +37,8 @@ BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "proc_features": {"rank": tuple(name for _, name, _ in RATES) + tuple(name for _, name in GAUGES), "node": ()},
     "cuda_features": {"rank": ("cuda_launch_per_s", "cuda_sync_frac", "cuda_memcpy_frac", "cuda_memcpy_bytes_per_s",
                                "cuda_memcpy_htod_bytes_per_s", "cuda_memcpy_lat_p50_ns", "cuda_memcpy_lat_p99_ns",
-                               "cuda_mem_live_bytes", "cuda_malloc_free_balance_bytes", "cuda_errors_per_s"),
+                               "cuda_mem_live_bytes", "cuda_pinned_live_bytes", "cuda_malloc_free_balance_bytes",
+                               "cuda_errors_per_s"),
                       "node": ()},
     "nccl_features": {"rank": ("nccl_calls_per_s", "nccl_bytes_per_s", "nccl_time_frac", "nccl_algbw_gbps",
                                "nccl_lat_p50_ns", "nccl_lat_p99_ns",
@@ -60,4 +61,6 @@ JOINED_FEATURES = frozenset(("gpu_util", "gpu_power_w", "gpu_ofu", "gpu_throttle
 # Derived by the scorer's loud-failure checks (streams/model/loud.py), on the rank they blame.
 LOUD_FEATURES = frozenset(("rank_vanished", "collective_stalled", "gpu_ecc_new_errors"))
 PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES
-ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES
+# Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
+JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio"))
+ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_FEATURES

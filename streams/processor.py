@@ -37,6 +37,7 @@ import threading
 from fleetscope.schema import NODE_TENANT, validate
 from fleetscope.wire import Batch, WireError, decode
 from fleetscope.streams.admission import UNCHECKED_KEY, AdmissionError, TimeBounds, check_key, check_strings
+from fleetscope.streams.energy_sink import OperatorEnergySink
 from fleetscope.streams.model import JobModel
 from fleetscope.streams.model_state import JobState
 from fleetscope.streams.outage_log import OutageLog
@@ -135,6 +136,7 @@ class StreamProcessor:
         self.states = states if states is not None else StoreStates(store)
         self.outbox = Outbox()
         self.features = FeatureSink(cfg, self.outbox)
+        self.energy = OperatorEnergySink(cfg, self.outbox)  # energy per operator, on <prefix>.features
         self.dead = DeadLetters(cfg, self.outbox)
         self.windows = WindowAssembler(cfg.window_s, cfg.allowed_lateness_s, cfg.idle_close_s,
                                        stored_marks=self._mark, clock=clock)
@@ -328,6 +330,7 @@ class StreamProcessor:
                     raise StoreUnavailable(f"reading the state of {tenant}/{name}: {exc}") from exc
         self.outbox.take()  # anything left by an interrupted job is recomputed below
         vectors = self.features.write(job.windows)
+        self.energy.write(job.windows)
         if self.scorer is not None and job.windows:
             self.scorer.write(job.windows, vectors)
             now = self.clock()

@@ -85,6 +85,9 @@ def cuda_features(w: Window) -> dict[str, float]:
     live = _gauges(w, "cuda", "cuda.mem_live_bytes")
     if live:
         out["cuda_mem_live_bytes"] = sum(a.gauge_last for a in live)
+    pinned = _gauges(w, "cuda", "cuda.pinned_live_bytes")  # page-locked host RAM, apart from device memory
+    if pinned:
+        out["cuda_pinned_live_bytes"] = sum(a.gauge_last for a in pinned)
     malloc, free = _sum(w, "cuda", "cuda.malloc_bytes"), _sum(w, "cuda", "cuda.free_bytes")
     if malloc is not None or free is not None:
         out["cuda_malloc_free_balance_bytes"] = (malloc or 0.0) - (free or 0.0)
@@ -131,7 +134,7 @@ def nccl_features(w: Window) -> dict[str, float]:
 
 def python_features(w: Window) -> dict[str, float]:
     if "python" not in w.sources:
-        return {}
+        return sampled_python_features(w)
     out: dict[str, float] = {}
     span = _window_s(w)
     gc_ns, gc_n = _sum(w, "python", "python.gc_ns"), _sum(w, "python", "python.gc_count")
@@ -145,6 +148,17 @@ def python_features(w: Window) -> dict[str, float]:
         if func_ns:  # inclusive time, so nested calls overlap: the top function's share of the window
             out["python_top_func_share"] = max(func_ns) / 1e9 / span
     return out
+
+
+def sampled_python_features(w: Window) -> dict[str, float]:
+    """Where no USDT probes report (the `python` source is missing), py-spy's samples (source
+    `python_sampler`) give python_top_func_share: the largest share of samples with one function as the
+    innermost frame (its own time, not inclusive as the USDT figure is), mean over the sampler's
+    windows inside this one. No rows, no feature (masked)."""
+    if "python_sampler" not in w.sources:
+        return {}
+    shares = [a.gauge_sum / a.gauge_n for a in _gauges(w, "python_sampler", "python.sample_self_share")]
+    return {"python_top_func_share": max(shares)} if shares else {}
 
 
 @lru_cache(maxsize=4096)

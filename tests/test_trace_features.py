@@ -117,3 +117,36 @@ def test_torch_collective_waits_are_shares_and_rates_and_masked_without_the_prob
                                                               ("torch.comm_wait_ns", "work", 1e8, TICK)])])
     assert work_only["torch_work_wait_frac"] == pytest.approx(0.1)
     assert "torch_comm_wait_frac" not in work_only and "torch_comm_waits_per_s" not in work_only
+
+
+def test_pinned_host_memory_is_its_own_feature_apart_from_device_memory():
+    batches = [traced_batch("cuda", T0 + (i + 1) * TICK - 1, [
+        ("cuda.mem_live_bytes", "all", 1 << 30, 0), ("cuda.pinned_live_bytes", "all", (i + 1) * (1 << 20), 0)])
+        for i in range(4)]
+    f = one_window(batches)
+    assert f["cuda_pinned_live_bytes"] == 4 * (1 << 20)  # the newest gauge
+    assert f["cuda_mem_live_bytes"] == 1 << 30           # device memory does not include it
+    assert "cuda_pinned_live_bytes" not in one_window([traced_batch("cuda", T0 + TICK - 1, [
+        ("cuda.mem_live_bytes", "all", 1, 0)])])        # no pinned rows: masked
+
+
+def sampler_rows(i: int) -> list:
+    """py-spy's rows of one sampler window: the innermost frames' shares of its samples."""
+    return [("python.samples", "all", 200, TICK), ("python.sample_self_share", "train.py:step", 0.5 + 0.1 * i, 0),
+            ("python.sample_self_share", "loader.py:next", 0.3, 0), ("python.sample_share", "train.py:main", 1.0, 0)]
+
+
+def test_python_top_func_share_comes_from_samples_when_no_usdt_probes_report():
+    f = one_window([traced_batch("python_sampler", T0 + (i + 1) * TICK - 1, sampler_rows(i)) for i in range(2)])
+    # the top function by own (innermost-frame) share, mean over the sampler's windows: (0.5 + 0.6) / 2;
+    # the inclusive share (1.0 for main) is not an own share
+    assert f["python_top_func_share"] == pytest.approx(0.55)
+    assert "python_calls_per_s" not in f and "python_gc_frac" not in f  # samples say nothing of calls or GC
+
+
+def test_usdt_python_features_win_over_samples_when_both_report():
+    usdt = [("python.calls", "f", 100, TICK), ("python.func_ns", "f", 0.1e9, TICK)]
+    batches = [traced_batch("python", T0 + (i + 1) * TICK - 1, usdt) for i in range(4)]
+    batches += [traced_batch("python_sampler", T0 + TICK - 1, sampler_rows(0))]
+    f = one_window(batches)
+    assert f["python_top_func_share"] == pytest.approx(0.4)  # 4 x 0.1 s of f in the 1 s window, not 0.5

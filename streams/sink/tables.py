@@ -3,7 +3,9 @@
 - raw topics: decoded and admitted as the worker does (so a message the
   worker dead-letters is not stored as raw rows either), then one Arrow table
   per insert, built per batch with numpy (no per-row Python);
-- features and scores (Arrow IPC, wire.decode): one row per window;
+- features and scores (Arrow IPC, wire.decode): one row per window; the
+  features topic also carries energy per operator (extras rows=operator_energy),
+  stored in operator_energy, one row per window, basis and operator;
   a scores row flagged `waiting` also makes its anomalies row (waiting ranks
   never reach <prefix>.anomalies, which is for alerting), with the score and
   detectors, without the explanation maps;
@@ -25,6 +27,7 @@ from fleetscope.schema import validate
 from fleetscope.wire import Batch, StrColumn, decode
 from fleetscope.streams.admission import TimeBounds, check_key, check_strings
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
+from fleetscope.streams.energy_features import is_energy_batch
 from fleetscope.streams.model_state import JobState
 
 
@@ -81,6 +84,8 @@ def features_rows(batches: list[Batch]) -> dict:
     cols: dict[str, list] = {k: [] for k in ("tenant", "job", "host", "rank", "window_start", "window_end",
                                               "feature_version", "feature", "sources", "event_count", "emitted_at")}
     for b in batches:
+        if is_energy_batch(b):  # energy per operator rides the features topic: operator_energy_rows
+            continue
         c = b.columns
         names = [n for n in c if n.startswith("f.")]
         values = np.column_stack([c[n] for n in names]) if names else np.empty((b.count, 0))
@@ -98,6 +103,28 @@ def features_rows(batches: list[Batch]) -> dict:
         cols["emitted_at"] += c["emitted_at_ns"].tolist()
     return _typed(cols, ints={"rank": np.int32, "window_start": np.int64, "window_end": np.int64,
                               "feature_version": np.uint16, "event_count": np.uint32, "emitted_at": np.int64})
+
+
+def operator_energy_rows(batches: list[Batch]) -> dict:
+    """The energy-per-operator batches among the features topic's (streams/energy_features.py), as
+    operator_energy rows; the feature batches are skipped (features_rows takes them)."""
+    names = ("tenant", "job", "host", "rank", "window_start", "window_end", "basis", "operator", "busy_ns",
+             "share", "energy_j", "collectives", "ops", "emitted_at")
+    cols: dict[str, list] = {k: [] for k in names}
+    for b in batches:
+        if not is_energy_batch(b):
+            continue
+        c = b.columns
+        for name in ("tenant", "job", "host", "basis", "operator"):
+            cols[name] += _texts(c[name])
+        for name in ("rank", "busy_ns", "share", "energy_j", "collectives", "ops"):
+            cols[name] += c[name].tolist()
+        cols["window_start"] += c["window_start_ns"].tolist()
+        cols["window_end"] += c["window_end_ns"].tolist()
+        cols["emitted_at"] += c["emitted_at_ns"].tolist()
+    return _typed(cols, ints={"rank": np.int32, "window_start": np.int64, "window_end": np.int64,
+                              "emitted_at": np.int64},
+                  floats=("busy_ns", "share", "energy_j", "collectives", "ops"))
 
 
 def scores_rows(batches: list[Batch]) -> tuple[dict, dict]:
@@ -201,5 +228,5 @@ def _typed(cols: dict, ints: dict | None = None, floats: tuple = ()) -> dict:
 
 
 JSON_SCHEMAS = {"anomalies": ANOMALY_SCHEMA, "diagnoses": DIAGNOSIS_SCHEMA}
-__all__ = ["Record", "admitted_batch", "features_rows", "scores_rows", "anomalies_rows", "diagnoses_rows",
-           "dlq_rows", "model_state_rows", "json_record", "schema_header", "JSON_SCHEMAS"]
+__all__ = ["Record", "admitted_batch", "features_rows", "operator_energy_rows", "is_energy_batch", "scores_rows",
+           "anomalies_rows", "diagnoses_rows", "dlq_rows", "model_state_rows", "json_record", "schema_header", "JSON_SCHEMAS"]

@@ -124,6 +124,8 @@ class TopicWriter:
 
         emitted = lambda rec: rec.timestamp_ms * 1_000_000  # noqa: E731
         add("features", parts.get("features"), lambda g: tables.features_rows([b for b, _ in g]))
+        add("operator_energy", [p for p in parts.get("features", ()) if tables.is_energy_batch(p[0])],
+            lambda g: tables.operator_energy_rows([b for b, _ in g]))
         add("scores", parts.get("scores"), lambda g: tables.scores_rows([b for b, _ in g])[0])
         waiting = [(b, rec) for b, rec in parts.get("scores", ())
                    if (b.columns["role"].values and "waiting" in b.columns["role"].values)]

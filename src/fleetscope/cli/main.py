@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_sink(sub)
     from fleetscope.cli.trace import register as register_trace
     register_trace(sub)
+    from fleetscope.cli.energy import register as register_energy
+    register_energy(sub)
     add_global_options(p)  # last: every subcommand registered above gets them
     return p
 
