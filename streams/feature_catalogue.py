@@ -55,12 +55,15 @@ RANK_FEATURES = frozenset(n for b in BUILDERS.values() for n in b["rank"])
 NODE_FEATURES = frozenset(n for b in BUILDERS.values() for n in b["node"])
 # Node features the scorer joins into each rank's vector (streams/rank_context.py: the rank's own GPU's
 # where its NVML process rows name it) and compares across the job's ranks with a peer z of their own.
-JOINED_FEATURES = frozenset(("gpu_util", "gpu_power_w", "gpu_ofu", "gpu_throttled", "gpu_temp_c", "gpu_sm_clock_mhz",
+JOINED_FEATURES = frozenset(("gpu_util", "gpu_power_w", "gpu_ofu", "gpu_tensor_util", "gpu_throttled", "gpu_temp_c",
+                             "gpu_sm_clock_mhz",
                              "thp_coverage_frac", "page_faults_per_s", "numa_miss_ratio", "irq_max_cpu_share",
                              "cpu_softirq_frac", "cpu_busy_frac")) & NODE_FEATURES
 # Derived by the scorer's loud-failure checks (streams/model/loud.py), on the rank they blame.
 LOUD_FEATURES = frozenset(("rank_vanished", "collective_stalled", "gpu_ecc_new_errors"))
+# A job's aggregate of its ranks' own GPUs per window (streams/rank_context.job_gpu_means over one step's
+# joined vectors): the job's OFU, for comparing a job with its own history. Not in ALL_FEATURES until the
+# scorer adds them to each rank's evidence (streams/scoring.py: one call after the step's join).
+JOB_GPU_FEATURES = frozenset(("job_gpu_ofu", "job_gpu_tensor_util"))
 PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES
-# Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
-JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio"))
-ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_FEATURES
+ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES

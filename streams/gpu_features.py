@@ -56,8 +56,10 @@ def gpu_features(w: Window) -> dict[str, float]:
 
 
 # per GPU, what describes the device a rank runs on (joined into the rank's vector by the scorer)
+# (OFU and tensor activity too: a rank's own GPU's, so OFU is tied to the rank whose process runs there)
 DEVICE_GAUGES = (("nvml.temp_c", "gpu_temp_c"), ("nvml.sm_clock_mhz", "gpu_sm_clock_mhz"),
-                 ("nvml.power_w", "gpu_power_w"), ("nvml.ofu", "gpu_ofu"), ("nvml.gpu_util", "gpu_util"))
+                 ("nvml.power_w", "gpu_power_w"), ("nvml.ofu", "gpu_ofu"), ("nvml.gpu_util", "gpu_util"),
+                 ("nvml.gpm.tensor_util", "gpu_tensor_util"))
 # event rows (interval 0, one row per event): counted per window
 EVENTS = (("nvml.xid", "gpu_xid_count"), ("nvml.event.dbe_ecc", "gpu_ecc_dbe_count"))
 # cumulative counts since boot (gauges): any non-zero value is a fault to report

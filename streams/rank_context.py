@@ -101,6 +101,21 @@ def joined_peer_z(vectors: Sequence[Mapping[str, float]]) -> list[dict[str, floa
     return out
 
 
+JOB_MEANS = (("gpu_ofu", "job_gpu_ofu"), ("gpu_tensor_util", "job_gpu_tensor_util"))
+
+
+def job_gpu_means(vectors: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The job's OFU and tensor activity in one window: the mean over its ranks of each rank's own GPU's
+    (joined vectors; ranks without the value, e.g. no GPM, are left out, and none gives no key). Ranks
+    sharing a GPU count it once each, as each rank's work runs on it."""
+    out: dict[str, float] = {}
+    for name, job_name in JOB_MEANS:
+        values = [float(v[name]) for v in vectors if name in v and math.isfinite(float(v[name]))]
+        if values:
+            out[job_name] = sum(values) / len(values)
+    return out
+
+
 def _median(sorted_values: list[float]) -> float:
     n = len(sorted_values)
     return 0.5 * (sorted_values[(n - 1) // 2] + sorted_values[n // 2])

@@ -141,4 +141,11 @@ CASES: dict[str, tuple[list, list]] = {
                                         "torch_comm_wait_frac": -7}),   # more ops: more layers, not longer batches
          ({"torch_op_time_frac": 0.9}, {"torch_op_time_frac": 6})],     # computes more but nobody waits for it
     ),
+    "ofu_regression": (
+        [({"gpu_ofu": 0.12, "gpu_tensor_util": 0.15}, {"gpu_ofu": -6, "gpu_tensor_util": -5}),  # peers' GPUs do more
+         ({"job_ofu_ratio": 0.4, "gpu_ofu": 0.16}, {}, {"gpu_ofu": 4.0})],   # the job's own history: 2.5x lower
+        [({"gpu_ofu": 0.12, "gpu_throttled": 1}, {"gpu_ofu": -6}),          # clock-limited: throttling's
+         ({"gpu_ofu": 0.05, "gpu_util": 20}, {"gpu_ofu": -6, "gpu_util": -8}),  # an idle, waiting GPU
+         ({"job_ofu_ratio": 0.9}, {})],                                     # within its history's range
+    ),
 }
