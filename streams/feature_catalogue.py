@@ -66,4 +66,6 @@ LOUD_FEATURES = frozenset(("rank_vanished", "collective_stalled", "gpu_ecc_new_e
 # scorer adds them to each rank's evidence (streams/scoring.py: one call after the step's join).
 JOB_GPU_FEATURES = frozenset(("job_gpu_ofu", "job_gpu_tensor_util"))
 PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES
-ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES
+# Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
+JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio"))
+ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_FEATURES

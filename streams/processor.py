@@ -34,7 +34,7 @@ from typing import Callable
 import base64
 import threading
 
-from fleetscope.schema import NODE_TENANT, validate
+from fleetscope.schema import validate
 from fleetscope.wire import Batch, WireError, decode
 from fleetscope.streams.admission import UNCHECKED_KEY, AdmissionError, TimeBounds, check_key, check_strings
 from fleetscope.streams.energy_sink import OperatorEnergySink
@@ -197,7 +197,7 @@ class StreamProcessor:
                 log.info("restored the model of %s/%s from <prefix>.model-state", tenant, job)
             except Exception:  # an unreadable or untrusted checkpoint: start afresh, visibly
                 log.exception("model checkpoint of %s/%s unreadable; relearning", tenant, job)
-        self.scorer.models[key] = model or JobModel(self.scorer.model_config)
+        self.scorer.models[key] = model or JobModel(self.scorer.config_for(tenant))
         self.scorer.saved_at[key] = time.monotonic()
         self.scorer.stats.models += 1
 
@@ -321,7 +321,7 @@ class StreamProcessor:
         return all(j.done(self.in_process) for j in jobs)
 
     def _compute(self, job: FlushJob) -> None:
-        jobs = {w.key[:2] for w in job.windows if w.key[0] != NODE_TENANT}  # node windows have no model
+        jobs = {w.key[:2] for w in job.windows}  # node windows too: each node has a model (model/node.py)
         if self.scorer is not None:
             for tenant, name in jobs:
                 try:  # restore models first: a failure here leaves no model half-fed

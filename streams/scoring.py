@@ -4,7 +4,12 @@ Runs on the flush thread, after the step's feature rows are stored:
 - the model scores each rank's own features; a flagged window's vector adds
   its host's node features of the same window (CPU, memory, IRQ, disk,
   network) as evidence for diagnosis;
-- one JobModel per (tenant, job), restored from `model_state` the first time
+- each node window is scored by the node's own model (model/node.py); a
+  flagged one flags every rank of that host in that window, role `node`;
+- each job step's collective rate is judged against the job's own history
+  (model/job_rate.py); a job-wide slowdown that no minority of culprits
+  explains flags every rank of the step, role `job`;
+- one JobModel per (tenant, job) and per node (tenant `_node`, job = host), restored from `model_state` the first time
   this worker sees the job and checkpointed every `checkpoint_s`;
 - every flagged rank-window gets a role (model/roles.py): `culprit`, or
   `waiting` for a peer that only waits on a culprit in collectives;
@@ -31,7 +36,9 @@ from fleetscope.streams.model import JobModel, ModelConfig
 from fleetscope.streams.model.ensemble import DETECTORS, Rule
 from fleetscope.streams.model.config import WindowScore
 from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
-from fleetscope.streams.model.roles import CULPRIT, JOB, WAITING, assign_roles
+from fleetscope.streams.model.job_rate import JobRates
+from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
+from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles
 from fleetscope.streams.rank_context import RankContext, joined_peer_z
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
 from fleetscope.streams.sinks import token
@@ -59,6 +66,10 @@ class ScoringStats:
     features_admitted: int = 0  # late features that joined a job's score (FeatureAdmission)
     waiting: int = 0  # flagged rank-windows labelled waiting: stored, not alerted
     promoted: int = 0  # unflagged ranks every flagged peer waited for, flagged as the culprit
+    node_windows: int = 0  # node windows scored by their node's model
+    node_anomalies: int = 0  # of them flagged
+    node_attributed: int = 0  # rank-windows flagged with role node
+    job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
 
 
 class Scorer:
@@ -72,6 +83,7 @@ class Scorer:
             model_config = ModelConfig(warmup_windows=cfg.warmup_windows, rule=cfg.detect_rule,
                                        detectors=tuple(d for d in DETECTORS if d == "gmm" or d in needed))
         self.model_config = model_config
+        self.node_model_config = node_model_config(model_config)
         if diagnoser is None:
             from fleetscope.streams.diagnosis.pipeline import Diagnoser
             diagnoser = Diagnoser()
@@ -80,6 +92,9 @@ class Scorer:
         self.saved_at: dict[tuple[str, str], float] = {}
         self.context = RankContext()
         self.loud = LoudFailures()
+        self.node_flags = NodeFlags()
+        self.job_rates = JobRates(warmup=max(self.model_config.warmup_windows, 5),
+                                  regime_windows=self.model_config.regime_windows)
         self.stats = ScoringStats()
 
     # ---- models ---------------------------------------------------------------
@@ -87,11 +102,15 @@ class Scorer:
         key = (tenant, job)
         m = self.models.get(key)
         if m is None:
-            m = self._restore(tenant, job) or JobModel(self.model_config)
+            m = self._restore(tenant, job) or JobModel(self.config_for(tenant))
             self.models[key] = m
             self.saved_at[key] = time.monotonic()
             self.stats.models += 1
         return m
+
+    def config_for(self, tenant: str) -> ModelConfig:
+        """A node's model has one row per window: a longer warm-up (model/node.py)."""
+        return self.node_model_config if tenant == NODE_TENANT else self.model_config
 
     def _restore(self, tenant: str, job: str) -> JobModel | None:
         res = self.store.query("SELECT state FROM model_state FINAL WHERE tenant = {t:String} AND job = {j:String} "
@@ -126,14 +145,19 @@ class Scorer:
     # ---- scoring --------------------------------------------------------------
     def write(self, windows, vectors) -> None:
         steps: dict[tuple[str, str, int], list[tuple[object, dict]]] = {}
+        nodes = []
         for w, v in zip(windows, vectors):
             if w.key[0] == NODE_TENANT:
                 self.context.remember(w, v)
+                nodes.append((w, v))
             else:
                 steps.setdefault((w.key[0], w.key[1], w.start_ns), []).append((w, v))
-        if not steps:
-            return
         scored, flagged = [], []
+        for w, v in sorted(nodes, key=lambda wv: wv[0].start_ns):   # before the ranks they are attributed to
+            scored.append(self._score_node(w, v))
+        if not steps:
+            self._finish(scored, flagged)
+            return
         for (tenant, job, start), members in sorted(steps.items(), key=lambda kv: kv[0][2]):
             # The model sees each rank's own features only. Host features are the same for every rank on a
             # host, so in the model they flagged whole jobs whenever the host got busy (replayed on the
@@ -146,6 +170,11 @@ class Scorer:
             self.stats.features_admitted += model.stats["features_admitted"] - admitted
             self.stats.steps += 1
             self._judge(tenant, job, start, members, results, scored, flagged)
+        self._finish(scored, flagged)
+
+    def _finish(self, scored, flagged) -> None:
+        if not scored:
+            return
         self.stats.scored += len(scored)
         self.stats.anomalies += len(flagged)
         now = time.time_ns()
@@ -153,6 +182,19 @@ class Scorer:
         if flagged:
             self._store_anomalies(flagged, now)
         self.checkpoint()
+
+    def _score_node(self, w, v) -> tuple:
+        """Score one node window with its node's model; remember it when flagged (model/node.py)."""
+        host = w.key[1]
+        model = self.model(NODE_TENANT, host)
+        row = node_model_input(v)
+        (s,) = model.process_window(w.start_ns, [(NODE_ROW, row)])
+        self.stats.node_windows += 1
+        if s.is_anomaly:
+            self.stats.node_anomalies += 1
+            self.node_flags.add(w.key[2], w.start_ns,
+                                NodeFlag(s.score, s.threshold, dict(s.contributions), history_z(model, row)))
+        return (w, s, NODE if s.is_anomaly else "")
 
     def _judge(self, tenant, job, start, members, results, scored, flagged) -> None:
         """Roles (model/roles.py) and loud failures (model/loud.py) of one scored job step."""
@@ -170,7 +212,7 @@ class Scorer:
             results[i].is_anomaly = True
             results[i].detectors.append("wait")
         self.stats.promoted += len(step.promoted)
-        ghosts, explained = [], {}
+        ghosts, explained, loud_rows = [], {}, set()
         for f in self.loud.step((tenant, job), start, [(w.key[2], w.key[3]) for w, _ in members], evidence):
             if f.index is None:   # a vanished rank: a row of its own, in the window it went silent
                 ghost = VanishedWindow((tenant, job, f.host, f.rank), start)
@@ -185,6 +227,36 @@ class Scorer:
                 s.detectors.append(f.kind)
             evidence[f.index].update(f.features)
             roles[f.index] = JOB if f.kind == "hung" else CULPRIT
+            loud_rows.add(f.index)
+        for i, (w, _) in enumerate(members):   # the node's own model flagged this host's window
+            node = self.node_flags.get(w.key[2], start)
+            if node is None or i in loud_rows:
+                continue
+            s = results[i]
+            s.is_anomaly = True
+            s.detectors.append("node")
+            roles[i] = NODE
+            explained[i] = {**node.contributions, **explained.get(i, {})}
+            joined_z[i] = {**joined_z[i], **node.history_z}   # the node against its own past
+            self.stats.node_attributed += 1
+        rate = self.job_rates.step((tenant, job), start, evidence)
+        if rate is not None:
+            for v in evidence:
+                v.update(rate.features)
+        if rate is not None and rate.flagged:
+            # a minority of culprits explains a job's slowdown (its peers wait on them); the whole job
+            # slowing alike, or most ranks looking odd at once, is the job's own change
+            culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
+            if not culprit_rows or 2 * len(culprit_rows) >= len(members):
+                self.stats.job_rate_flags += 1
+                for i, s in enumerate(results):
+                    if i in loud_rows or roles[i] == NODE:
+                        continue
+                    s.is_anomaly = True
+                    s.detectors.append("job_rate")
+                    roles[i] = JOB
+                    explained[i] = {**explained.get(i, {}),
+                                    "job_iteration_time_ratio": rate.features["job_iteration_time_ratio"]}
         culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
                           | {g.key[3] for g, _, _ in ghosts})
         for i, ((w, _), s) in enumerate(zip(members, results)):

@@ -148,14 +148,16 @@ def test_a_straggler_is_scored_flagged_diagnosed_and_the_model_survives_a_restar
     first = processor(store, tmp_path, clock)
     run(first, range(2 * 40), rng, offset)           # windows 0..39 sent; the last stays open (lateness)
     snap = first.snapshot()
-    assert snap["model_models"] == 1 and snap["model_restored_models"] == 0
+    # the job's model and one per node (node windows are scored too, model/node.py)
+    assert snap["model_models"] == 3 and snap["model_restored_models"] == 0
     assert snap["model_node_join_misses"] == 0      # every rank window got its node's host features
 
     # every rank-window that has a feature row was scored, once
     feats = q(store, "SELECT count() FROM features FINAL WHERE tenant = 'acme'")[0][0]
-    scored = q(store, "SELECT count(), uniqExact(rank, window_start), uniqExact(rank) FROM scores FINAL")[0]
+    scored = q(store, "SELECT count(), uniqExact(rank, window_start), uniqExact(rank) FROM scores FINAL "
+                      "WHERE tenant = 'acme'")[0]
     assert feats >= RANKS * 38 and scored == (feats, feats, RANKS)
-    cold = q(store, "SELECT count() FROM scores FINAL WHERE warm = 0")[0][0]
+    cold = q(store, "SELECT count() FROM scores FINAL WHERE warm = 0 AND tenant = 'acme'")[0][0]
     assert cold == RANKS * WARMUP     # no thresholds (and no flags) during warm-up
 
     flagged = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), detectors FROM anomalies FINAL ORDER BY window_start, rank")
@@ -202,8 +204,9 @@ def test_a_straggler_is_scored_flagged_diagnosed_and_the_model_survives_a_restar
     second = processor(store, tmp_path, FakeClock())
     run(second, range(2 * 40, 2 * 46), rng, offset)
     snap2 = second.snapshot()
-    assert snap2["model_restored_models"] == 1 and snap2["model_models"] == 1
-    after = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), warm, is_anomaly FROM scores FINAL ORDER BY window_start, rank")
+    assert snap2["model_restored_models"] == 3 and snap2["model_models"] == 3
+    after = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), warm, is_anomaly FROM scores FINAL "
+                     "WHERE tenant = 'acme' ORDER BY window_start, rank")
     new = [(r, window_of(ws), warm, a) for r, ws, warm, a in after if window_of(ws) >= 40]
     assert len(new) >= RANKS * 4
     assert all(warm == 1 for _, _, warm, _ in new), new      # no fresh warm-up
@@ -368,3 +371,127 @@ def test_xid_a_vanished_rank_and_a_hung_collective_are_each_flagged_in_their_win
     assert evidence["gpu_xid_count"] == 1 and evidence["gpu_xid_last_code"] == 79 and evidence["gpu_xid_gpu"] == 1
     assert best[(GONE_RANK, GONE_AT - 1)][0] == "crashed_rank"
     assert best[(0, HUNG_AT)][0] == "hung_collective"
+
+
+CONTENDED = range(ONSET, ONSET + 8)   # windows in which a process outside the job loads node-a's CPUs
+
+
+def contended_host_batch(host: str, ts: int, rng, busy: bool) -> Batch:
+    """The host sampler's CPU seconds per state over the tick (every state: the CPU features need all of
+    them) and memory: 30% busy, or ~96% busy while a competing process runs on the node."""
+    idle = 0.02 if busy else 0.35
+    user = (0.43 if busy else 0.10) * (1 + 0.03 * rng.standard_normal())
+    cpu = {"user": user, "nice": 0.0, "system": 0.05, "idle": idle, "iowait": 0.0, "irq": 0.0, "softirq": 0.0,
+           "steal": 0.0}
+    names = [f"cpu.{k}" for k in cpu] + ["mem.total", "mem.available"]
+    vals = list(cpu.values()) + [1000.0, 600.0]
+    n = len(names)
+    cols = {"ts_ns": np.full(n, ts, "<i8"), **node_identity(host, n), "metric": StrColumn.of(names),
+            "device": StrColumn.constant("all", n), "value": np.array(vals, "<f8"),
+            "interval_ns": np.array([TICK] * len(cpu) + [0, 0], "<i8")}
+    return Batch("host", host, cols, created_ns=ts)
+
+
+def noisy_node_batches(tick: int, rng) -> list[Batch]:
+    """The healthy NCCL job (no straggler: the fault is not in the job), with node-a's CPUs taken by a
+    competing process in the CONTENDED windows; the ranks' own rows do not change."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    out = [b for b in tick_batches(tick, rng) if b.source != "host"
+           and not (int(b.columns["rank"][0]) == STRAGGLER)]
+    out += [rank_batch(b.source, STRAGGLER, ts, rows) for b, rows in _healthy_rows(tick, rng)]
+    out += [contended_host_batch(h, ts, rng, h == "node-a" and window in CONTENDED) for h in ("node-a", "node-b")]
+    return out
+
+
+def _healthy_rows(tick: int, rng):
+    """Rank STRAGGLER's rows as a healthy rank's (tick_batches makes it straggle from ONSET)."""
+    ts = T0 + tick * TICK + TICK // 2
+    noise = 1 + 0.03 * rng.standard_normal(4)
+    dur = 0.30 * TICK * noise[0]
+    nccl = [("nccl.calls", "AllReduce", 20, TICK), ("nccl.bytes", "AllReduce", 20 * 64e6, TICK),
+            ("nccl.dur_ns", "AllReduce", dur, TICK), ("nccl.lat_p50_ns", "AllReduce", dur / 20 * noise[1], 0),
+            ("nccl.lat_p99_ns", "AllReduce", 1.5 * dur / 20 * noise[2], 0)]
+    cuda = [("cuda.calls", "cudaLaunchKernel", 500 * noise[3], TICK), ("cuda.calls", "cudaStreamSynchronize", 20, TICK),
+            ("cuda.dur_ns", "cudaStreamSynchronize", 0.10 * TICK * noise[2], TICK)]
+    return [(rank_batch("nccl", STRAGGLER, ts, nccl), nccl), (rank_batch("cuda", STRAGGLER, ts, cuda), cuda)]
+
+
+def test_a_busy_node_flags_its_ranks_with_role_node_and_is_diagnosed_as_cpu_contention(store, tmp_path):
+    """Node-level scoring: node-a's own window (host counters) is scored by node-a's model; while a process
+    outside the job loads its CPUs, ranks 0-2 (node-a) are flagged with role node, though their own rows
+    are those of healthy ranks, and diagnosed cpu_contention_noisy_neighbour; node-b's ranks are not.
+    Host rows as the host sampler sends them, written here."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(13), [0], batches=noisy_node_batches)
+    snap = proc.snapshot()
+    assert snap["model_node_windows"] >= 2 * 38          # both nodes' windows were scored
+    node_scores = q(store, "SELECT job, count(), sum(is_anomaly) FROM scores FINAL WHERE tenant = '_node' "
+                           "GROUP BY job ORDER BY job")
+    assert [j for j, *_ in node_scores] == ["node-a", "node-b"], node_scores
+    roles = roles_of(store)
+    node_flags = {(r, w) for (r, w), (a, role) in roles.items() if a and role == "node"}
+    on_a = [(r, w) for r in range(3) for w in CONTENDED]
+    assert len(node_flags & set(on_a)) >= 0.9 * len(on_a), sorted(node_flags)
+    assert {(r, ONSET) for r in range(3)} <= node_flags or {(r, ONSET + 1) for r in range(3)} <= node_flags
+    assert all(r < 3 for r, _ in node_flags), sorted(node_flags)          # node-b's ranks: never
+    # healthy windows of both nodes: at most 2% flagged (as for the ranks' own model)
+    healthy = [(r, w) for (r, w), (a, _) in roles.items() if a and w not in CONTENDED and r >= 0 and w >= WARMUP]
+    assert len(healthy) <= 0.02 * RANKS * (39 - WARMUP - len(CONTENDED)), sorted(healthy)
+    diag = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), kb_entry, evidence FROM diagnoses "
+                    "FINAL WHERE rank >= 0 ORDER BY confidence DESC")
+    best = {}
+    for r, ms, entry, evidence in diag:
+        best.setdefault((r, window_of(ms)), (entry, evidence))
+    diagnosed = [best[k] for k in sorted(node_flags) if k in best]
+    assert len(diagnosed) == len(node_flags)
+    assert all(entry == "cpu_contention_noisy_neighbour" for entry, _ in diagnosed), diagnosed
+    # the node against its own history: far busier than it usually is
+    assert all(ev["cpu_busy_frac"] >= 0.8 and ev["peer_z.cpu_busy_frac"] >= 3 for _, ev in diagnosed)
+
+
+SLOW = 14   # collectives per 0.5 s tick once the whole job slows down (20 before): iterations ~43% longer
+
+
+def slow_job_batches(tick: int, rng) -> list[Batch]:
+    """The NCCL job with no straggler; from ONSET every rank alike completes SLOW instead of 20 collectives
+    per tick (each iteration takes longer: something every rank shares is slower), its NCCL share and
+    latencies unchanged. Host rows unchanged: nothing on the nodes shows it."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    calls = SLOW if window >= ONSET else 20
+    out = []
+    for r in range(RANKS):
+        noise = 1 + 0.03 * rng.standard_normal(4)
+        dur = 0.30 * TICK * noise[0]
+        p50 = 0.30 * TICK / 20 * noise[1]
+        out.append(rank_batch("nccl", r, ts, [
+            ("nccl.calls", "AllReduce", calls, TICK), ("nccl.bytes", "AllReduce", calls * 64e6, TICK),
+            ("nccl.dur_ns", "AllReduce", dur, TICK), ("nccl.lat_p50_ns", "AllReduce", p50, 0),
+            ("nccl.lat_p99_ns", "AllReduce", 1.5 * p50 * noise[2], 0)]))
+        out.append(rank_batch("cuda", r, ts, [
+            ("cuda.calls", "cudaLaunchKernel", 500 * noise[3], TICK),
+            ("cuda.calls", "cudaStreamSynchronize", calls, TICK),
+            ("cuda.dur_ns", "cudaStreamSynchronize", 0.10 * TICK * noise[2], TICK)]))
+    out += [host_batch(h, ts, rng) for h in ("node-a", "node-b")]
+    return out
+
+
+def test_a_job_wide_slowdown_is_an_anomaly_of_the_job_though_no_rank_differs(store, tmp_path):
+    """Every rank slows alike (collective rate 40/s -> 28/s): peer comparison sees nothing, the job's own
+    history does. Every rank of each slow window is flagged with role job from the first slow window,
+    diagnosed job_wide_slowdown with the iteration time ratio (~20/14) as evidence."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(17), [0], batches=slow_job_batches)
+    roles = roles_of(store)
+    slow = [w for w in range(ONSET, 39)]
+    jobs = {(r, w) for (r, w), (a, role) in roles.items() if a and role == "job"}
+    assert {(r, ONSET) for r in range(RANKS)} <= jobs, sorted(jobs)          # in the window it starts
+    assert len(jobs & {(r, w) for r in range(RANKS) for w in slow}) >= 0.9 * RANKS * len(slow), sorted(jobs)
+    assert not any(role == "culprit" for (r, w), (a, role) in roles.items() if a and w >= ONSET)
+    before = [(r, w) for (r, w), (a, _) in roles.items() if a and w < ONSET and r >= 0]
+    assert len(before) <= 0.02 * RANKS * (ONSET - WARMUP), before
+    diag = q(store, f"SELECT kb_entry, evidence FROM diagnoses FINAL WHERE rank = 0 AND window_start = "
+                    f"fromUnixTimestamp64Nano(toInt64({T0 + ONSET * SEC})) ORDER BY confidence DESC")
+    assert diag and diag[0][0] == "job_wide_slowdown", diag
+    assert diag[0][1]["job_iteration_time_ratio"] == pytest.approx(20 / SLOW, rel=0.05)

@@ -26,6 +26,8 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("net_*", "network"),
     ("tcp_*", "network"),
     ("irq_*", "network"),
+    # the job against its own history (model/job_rate.py): its iteration time, the framework's pace
+    ("job_*", "framework"),
     # cpu: time split, scheduling, off-CPU threads
     ("cpu_*", "cpu"),
     ("context_switches_per_s", "cpu"),

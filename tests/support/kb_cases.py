@@ -124,6 +124,12 @@ CASES: dict[str, tuple[list, list]] = {
         [({"collective_stalled": 1}, {}, {"collective_stalled": 1.0})],
         [({"nccl_calls_per_s": 0.5}, {"nccl_calls_per_s": -4})],    # slow collectives are not a hang
     ),
+    "job_wide_slowdown": (
+        # every rank alike: the job's collective rate against its own history (model/job_rate.py)
+        [({"job_iteration_time_ratio": 1.43, "job_collective_rate": 140.0, "job_rate_z": -15.0,
+           "nccl_calls_per_s": 140.0}, {}, {"job_iteration_time_ratio": 1.43})],
+        [({"job_iteration_time_ratio": 1.05, "job_rate_z": -2.0}, {})],   # within a healthy job's wobble
+    ),
     "crashed_rank": (
         [({"rank_vanished": 1}, {}, {"rank_vanished": 1.0})],
         [({"torch_ops_per_s": 10}, {"torch_ops_per_s": -8})],       # a rank that slowed down still reports
