@@ -116,3 +116,92 @@ def test_two_ranks_traced_memcpy_stall_and_leak_on_one_rank(tmp_path):
     # bytes and identity of the collective: 0.5 MB of float32 per all-reduce
     assert healthy[0][("nccl.bytes", "AllReduce")] == healthy[0][("nccl.calls", "AllReduce")] * 500_000
     assert healthy[1][("cuda.launches", "sgemm_kernel(float const*, float const*, float*, int, int, int)")] > 0
+
+
+# ---- energy per operator on two runs that differ in one setting -----------------------------------------------
+# Stand-ins here: the CUDA/NCCL libraries (as above) and NVML (fake_nvml.c, scripted: one GPU per rank, each
+# rank's process on its GPU, SM utilization 80 %, an energy counter at a fixed power). Real: the rank processes,
+# the uprobes, the identity resolver reading their environment, the NVML sampler's per-process split, the
+# worker core, chDB and `energy diff`.
+ENERGY_CFG = dict(batch_mb=1, kernel_us=500, grad_mb=0.25, step_sleep_ms=20)
+TRACE_S = 3.0
+
+
+def _nvml_scenario(path, pids: dict[int, int], watts: float) -> None:
+    lines = ["device_count 2"]
+    for rank, pid in pids.items():
+        # mJ per 0.25 s tick at `watts`; the stand-in holds 16 values (then repeats the last): 14 ticks are read
+        counter = " ".join(str(int(k * watts * 250)) for k in range(1, 17))
+        lines += [f"gpu {rank} gpu_util 90", f"gpu {rank} mem_util 40", f"gpu {rank} energy_mj {counter}",
+                  f"gpu {rank} proc {pid} 1048576", f"gpu {rank} putil {pid} 80 30"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _traced_run(tmp_path, monkeypatch, bindir, nvml_lib, job: str, kernels: int, watts: float) -> list:
+    """Run the 2-rank stand-in for TRACE_S under the CUDA, NCCL and NVML sources; their batches."""
+    from fleetscope.producers.identity import IdentityResolver
+    from fleetscope.producers.nvml.sampler import NvmlSampler
+    run = launch(2, env={"FLEETSCOPE_JOB": job}, cfg=StandinConfig(kernels=kernels, **ENERGY_CFG), duration_s=60,
+                 bindir=bindir, wait_for_go=True)
+    tracers, batches = [], []
+    try:
+        pids = run.rank_pids(timeout_s=30)
+        _nvml_scenario(tmp_path / f"{job}.nvml", pids, watts)
+        monkeypatch.setenv("FAKE_NVML_SCENARIO", str(tmp_path / f"{job}.nvml"))
+        resolver = IdentityResolver()
+        tracers = [CudaTracer("node-a", resolver=resolver), NcclTracer("node-a", resolver=resolver),
+                   NvmlSampler("node-a", resolver=resolver, library_path=nvml_lib)]
+        for pid in pids.values():
+            assert tracers[0].add_pid(pid) and tracers[1].add_pid(pid)
+        run.go()
+        deadline = time.monotonic() + TRACE_S
+        while time.monotonic() < deadline:
+            batches += [t.sample() for t in tracers]
+            time.sleep(0.25)
+        batches += [t.sample() for t in tracers]
+    finally:
+        run.cleanup()
+        for t in tracers:
+            t.close()  # the NVML stand-in's init count back to 0: the next run reads its own scenario
+    return [b for b in batches if b is not None]
+
+
+def test_energy_diff_on_two_standin_runs_names_the_kernel_the_changed_setting_adds(tmp_path, monkeypatch, store):
+    """Run B launches 9 kernels per step instead of 8: the ninth is sgemm_kernel (the rank program cycles
+    sgemm, relu, softmax, adam), so B runs 3 sgemm launches per step where A runs 2 and every other kernel
+    the same 2. Its GPU is scripted to draw power in proportion to the kernels it runs."""
+    import subprocess
+
+    import pynvml
+
+    from fleetscope.cli.energy import energy_diff, format_diff
+    from fleetscope.config import Config
+    from fleetscope.resources import package_dir
+    from fleetscope.wire import encode
+    from fleetscope.streams.processor import MessageRef, StreamProcessor
+
+    bindir = build(tmp_path / "bin")
+    nvml_lib = str(tmp_path / "libnvidia-ml.so.1")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", nvml_lib,
+                    str(package_dir("fleetscope.eval.gpu_stub") / "fake_nvml.c")], check=True)
+    try:
+        runs = {job: _traced_run(tmp_path, monkeypatch, bindir, nvml_lib, job, kernels, 300.0 * kernels / 8)
+                for job, kernels in (("standin-a", 8), ("standin-b", 9))}
+    finally:
+        with pynvml.libLoadLock:  # later tests must not be handed the stand-in
+            pynvml.nvmlLib = None
+            pynvml._nvmlGetFunctionPointer_cache.clear()
+    proc = StreamProcessor(Config(data_dir=tmp_path, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=30), store,
+                           producer=None, scoring=False)
+    for offset, b in enumerate(b for batches in runs.values() for b in batches):
+        proc.handle(encode(b), None, MessageRef(f"fleetscope.raw.{b.source}", 0, offset))
+    proc.flush(force=True)
+    assert proc.stats.dlq == 0
+    d = energy_diff(store, "standin-a", "standin-b", per="step", basis="cuda")
+    report = format_diff(d)
+    print(report)
+    assert d.operators[0].operator.startswith("sgemm_kernel"), report
+    assert d.a.ranks == d.b.ranks == 2 and d.work_a > 20 and d.work_b > 20
+    # the set-up difference the store shows: one more kernel launch per collective (8 -> 9 per step)
+    launches = {name: (a, b) for name, a, b in d.settings}["kernel launches per collective"]
+    assert float(launches[0]) == pytest.approx(8, rel=0.1) and float(launches[1]) == pytest.approx(9, rel=0.1)
