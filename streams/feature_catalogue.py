@@ -68,4 +68,6 @@ JOB_GPU_FEATURES = frozenset(("job_gpu_ofu", "job_gpu_tensor_util"))
 PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
 JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio"))
-ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_FEATURES
+# Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.
+DRIFT_FEATURES = frozenset(("cuda_mem_growth_bytes_per_s", "proc_rss_growth_bytes_per_s"))
+ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_FEATURES | DRIFT_FEATURES

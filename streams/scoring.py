@@ -36,6 +36,7 @@ from fleetscope.streams.model import JobModel, ModelConfig
 from fleetscope.streams.model.ensemble import DETECTORS, Rule
 from fleetscope.streams.model.config import WindowScore
 from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
+from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
 from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles
@@ -70,6 +71,7 @@ class ScoringStats:
     node_anomalies: int = 0  # of them flagged
     node_attributed: int = 0  # rank-windows flagged with role node
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
+    drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
 
 
 class Scorer:
@@ -93,6 +95,7 @@ class Scorer:
         self.context = RankContext()
         self.loud = LoudFailures()
         self.node_flags = NodeFlags()
+        self.drift = MemoryDrift()
         self.job_rates = JobRates(warmup=max(self.model_config.warmup_windows, 5),
                                   regime_windows=self.model_config.regime_windows)
         self.stats = ScoringStats()
@@ -166,10 +169,16 @@ class Scorer:
             rows = [(w.key[3], v) for w, v in members]
             model = self.model(tenant, job)
             admitted = model.stats["features_admitted"]
-            results = model.process_window(start, rows)
+            # a rank whose memory drifts is held: neither the model nor its thresholds learn the leak
+            drifts = self.drift.step((tenant, job), start, [(w.key[2], w.key[3]) for w, _ in members],
+                                     [v for _, v in members])
+            held = [False] * len(members)
+            for d in drifts:
+                held[d.index] = True
+            results = model.process_window(start, rows, hold=held if drifts else None)
             self.stats.features_admitted += model.stats["features_admitted"] - admitted
             self.stats.steps += 1
-            self._judge(tenant, job, start, members, results, scored, flagged)
+            self._judge(tenant, job, start, members, results, scored, flagged, drifts)
         self._finish(scored, flagged)
 
     def _finish(self, scored, flagged) -> None:
@@ -196,7 +205,7 @@ class Scorer:
                                 NodeFlag(s.score, s.threshold, dict(s.contributions), history_z(model, row)))
         return (w, s, NODE if s.is_anomaly else "")
 
-    def _judge(self, tenant, job, start, members, results, scored, flagged) -> None:
+    def _judge(self, tenant, job, start, members, results, scored, flagged, drifts=()) -> None:
         """Roles (model/roles.py) and loud failures (model/loud.py) of one scored job step."""
         evidence, unjoined = [], set()
         for i, (w, v) in enumerate(members):
@@ -213,6 +222,16 @@ class Scorer:
             results[i].detectors.append("wait")
         self.stats.promoted += len(step.promoted)
         ghosts, explained, loud_rows = [], {}, set()
+        for d in drifts:   # a slow leak: the drifting rank is the culprit, its growth the explanation
+            s = results[d.index]
+            if not s.is_anomaly:
+                explained[d.index] = dict(d.features)
+            s.is_anomaly = True
+            s.detectors.append("drift")
+            evidence[d.index].update(d.features)
+            roles[d.index] = CULPRIT
+            loud_rows.add(d.index)
+            self.stats.drifting += 1
         for f in self.loud.step((tenant, job), start, [(w.key[2], w.key[3]) for w, _ in members], evidence):
             if f.index is None:   # a vanished rank: a row of its own, in the window it went silent
                 ghost = VanishedWindow((tenant, job, f.host, f.rank), start)

@@ -495,3 +495,52 @@ def test_a_job_wide_slowdown_is_an_anomaly_of_the_job_though_no_rank_differs(sto
                     f"fromUnixTimestamp64Nano(toInt64({T0 + ONSET * SEC})) ORDER BY confidence DESC")
     assert diag and diag[0][0] == "job_wide_slowdown", diag
     assert diag[0][1]["job_iteration_time_ratio"] == pytest.approx(20 / SLOW, rel=0.05)
+
+
+LEAK_RANK = 1
+
+
+def leak_batches(tick: int, rng) -> list[Batch]:
+    """The healthy NCCL job whose cuda rows carry the tracer's live-allocation gauge (cuda.mem_live_bytes,
+    2 GiB per rank); from ONSET rank LEAK_RANK's grows 5 MiB per 0.5 s tick (a slow leak: 10 MiB/s, the
+    level within 1% of its peers' for the first windows). Rank STRAGGLER's rows are a healthy rank's."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    out = [b for b in tick_batches(tick, rng) if int(b.columns["rank"][0]) != STRAGGLER or b.source == "host"]
+    out += [b for b, _ in _healthy_rows(tick, rng)]
+    for r in range(RANKS):
+        live = 2 * 2**30 + rng.normal(0, 2**19)
+        if r == LEAK_RANK and window >= ONSET:
+            live += (tick - 2 * ONSET + 1) * 5 * 2**20
+        out.append(rank_batch("cuda", r, ts, [("cuda.mem_live_bytes", "all", live, 0)]))
+    return out
+
+
+def test_a_slow_leak_is_diagnosed_as_a_leak_and_not_learned_as_normal(store, tmp_path):
+    """Drift versus step: river's ADWIN on each rank's cuda_mem_live_bytes (model/drift.py) sees rank 1's
+    level move and grow in most of the last 8 windows; the rank is flagged (detector drift, role culprit)
+    with its growth rate and diagnosed gpu_memory_leak_slow, not straggler_rank; while it drifts neither
+    its model nor the job's thresholds learn it. Tracer rows written here (no GPU)."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(19), [0], batches=leak_batches)
+    rows = q(store, "SELECT rank, toUnixTimestamp64Milli(window_start), detectors, role FROM anomalies FINAL "
+                    "WHERE tenant = 'acme'")
+    drift = sorted((r, window_of(ms), role) for r, ms, dets, role in rows if "drift" in dets)
+    assert drift and {r for r, _, _ in drift} == {LEAK_RANK}, drift
+    first = min(w for _, w, _ in drift)
+    assert first <= ONSET + 8, drift                         # the span it needs to call it a drift
+    assert [w for _, w, _ in drift] == list(range(first, 39)), drift   # and while it lasts
+    assert {role for *_, role in drift} == {"culprit"}
+    diag = q(store, f"SELECT toUnixTimestamp64Milli(window_start), kb_entry, evidence FROM diagnoses FINAL "
+                    f"WHERE rank = {LEAK_RANK} ORDER BY confidence DESC")
+    best = {}
+    for ms, entry, evidence in diag:
+        best.setdefault(window_of(ms), (entry, evidence))
+    for _, w, _ in drift:
+        entry, evidence = best[w]
+        assert entry == "gpu_memory_leak_slow", (w, best[w])
+        assert evidence["cuda_mem_growth_bytes_per_s"] == pytest.approx(10 * 2**20, rel=0.1)
+    # not learned as the new normal: the leaking rank stays flagged in every window from the onset
+    flagged = {window_of(ms) for r, ms, _, _ in rows if r == LEAK_RANK}
+    assert set(range(ONSET, 39)) <= flagged, sorted(flagged)
+    assert proc.snapshot()["model_drifting"] == len(drift)

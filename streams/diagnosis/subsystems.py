@@ -51,6 +51,8 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     # GPU memory: device allocations
     ("gpu_proc_mem_bytes", "gpu_memory"),
     ("cuda_mem_live_bytes", "gpu_memory"),
+    ("cuda_mem_growth_bytes_per_s", "gpu_memory"),
+    ("proc_rss_growth_bytes_per_s", "host_memory"),
     ("cuda_malloc_free_balance_bytes", "gpu_memory"),
     ("gpu_ecc_*", "gpu_memory"),
     ("gpu_row_remap_*", "gpu_memory"),

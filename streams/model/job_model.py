@@ -10,7 +10,13 @@ Per window (all ranks of the job together, one mini-batch):
     rank; the primary one (the mixture's NLL) is each WindowScore's score;
  4. after warm-up, each detector flags against its own DSPOT threshold or its
     fixed one (peers: |z| >= peer_z_threshold), and the ensemble rule decides;
- 5. learn: flagged rows get ``anomaly_weight`` (0: not learned). When most of
+ 5. learn: flagged rows get ``anomaly_weight`` (0: not learned), and so do rows
+    the caller holds (``hold``: a rank under a detected change, model/drift.py).
+    Each DSPOT threshold learns only the scores of rows that are neither
+    flagged by the ensemble (any detector) nor held: a fault that one detector
+    sees must not raise another's threshold (an onset's scores just under the
+    threshold, learned as peaks, lifted it from 32 to 48 and absorbed the
+    fault). When most of
     the job's ranks have been flagged ``regime_windows`` windows in a row the
     job itself has changed (a new phase), and those windows are learned in full
     (counted in ``stats['regime_windows_learned']``) so that alarms end.
@@ -74,7 +80,9 @@ class JobModel:
             det.grow(d, self.index.names)
 
     # -------------------------------------------------------------- public
-    def process_window(self, window_start_ns: int, rows: list[tuple[int, dict[str, float]]]) -> list[WindowScore]:
+    def process_window(self, window_start_ns: int, rows: list[tuple[int, dict[str, float]]],
+                       hold=None) -> list[WindowScore]:
+        """Score, flag and learn one window; ``hold`` (per row, optional): rows not to learn from."""
         if not rows:
             return []
         c = self.config
@@ -117,13 +125,18 @@ class JobModel:
                     fired[name] = scores[name] >= det.fixed_threshold
                 else:
                     f = np.zeros(n, bool)
-                    f[scorable] = self.thresholds[name].step(scores[name][scorable], learn=not replay)
+                    f[scorable] = self.thresholds[name].step(scores[name][scorable], learn=False)
                     fired[name] = f
             votes = np.zeros(n, np.int64)      # Rule.decide, for all rows at once
             for d in self.rule.names:
                 if d in fired:
                     votes += fired[d]
             anomaly = votes >= self.rule.k
+            held = np.zeros(n, bool) if hold is None else np.asarray(hold, bool)
+            if not replay:   # thresholds learn the normal rows only (see 5. above)
+                normal = scorable & ~anomaly & ~held
+                for name, t in self.thresholds.items():
+                    t.step(scores[name][normal], learn=True)
         else:
             anomaly = np.zeros(n, bool)
             if not replay and self.windows > c.warmup_windows // 2:
@@ -135,7 +148,7 @@ class JobModel:
                         t.calibrate()
 
         if not replay:
-            self._learn(w, anomaly)
+            self._learn(w, anomaly, None if hold is None else np.asarray(hold, bool))
             if shadow_scores is not None:
                 normal = scorable & ~anomaly
                 adm.observe({name: s[normal] for name, s in shadow_scores.items()})
@@ -153,7 +166,7 @@ class JobModel:
                 for i, (r, s, a, det) in enumerate(zip(ranks.tolist(), scores[PRIMARY].tolist(), anomaly.tolist(),
                                                         detectors))]
 
-    def _learn(self, w: WindowCells, anomaly: np.ndarray) -> None:
+    def _learn(self, w: WindowCells, anomaly: np.ndarray, held: np.ndarray | None = None) -> None:
         c = self.config
         self.flagged_run = self.flagged_run + 1 if anomaly.mean() > 0.5 else 0
         if self.flagged_run >= c.regime_windows:
@@ -161,6 +174,8 @@ class JobModel:
             self.stats["regime_windows_learned"] += 1
         else:
             weights = np.where(anomaly, c.anomaly_weight, 1.0)
+        if held is not None:
+            weights = np.where(held, np.minimum(weights, c.anomaly_weight), weights)
         for det in self.detectors.values():
             det.learn(w, weights)
         change = self.scaler.update(w.X, w.observed & (weights >= 1.0)[:, None])

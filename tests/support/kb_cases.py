@@ -100,6 +100,16 @@ CASES: dict[str, tuple[list, list]] = {
         [({"cuda_malloc_free_balance_bytes": 32 * 2**20}, {"cuda_malloc_free_balance_bytes": 5}),
          ({"cuda_malloc_free_balance_bytes": 256 * 2**20}, {"cuda_malloc_free_balance_bytes": 0.2})],  # all ranks warm up
     ),
+    "gpu_memory_leak_slow": (
+        # the drift detector's growth rate (model/drift.py): 10 MiB/s, the level barely above its peers
+        [({"cuda_mem_growth_bytes_per_s": 10 * 2**20, "cuda_mem_live_bytes": 61e9}, {"cuda_mem_live_bytes": 1.5},
+          {"cuda_mem_growth_bytes_per_s": 1.0})],
+        [({"cuda_mem_live_bytes": 61e9}, {"cuda_mem_live_bytes": 1.5})],   # higher, not growing
+    ),
+    "host_memory_leak": (
+        [({"proc_rss_growth_bytes_per_s": 8 * 2**20, "proc_rss_bytes": 9e9}, {}, {"proc_rss_growth_bytes_per_s": 1.0})],
+        [({"proc_rss_bytes": 9e9}, {"proc_rss_bytes": 2})],
+    ),
     "dataloader_input_stall": (
         [({"gpu_util": 30, "cpu_iowait_frac": 0.25, "torch_ops_per_s": 1500},
           {"cpu_iowait_frac": 5, "torch_ops_per_s": -5, "gpu_util": -5})],

@@ -1,0 +1,102 @@
+"""Slow drifts of memory held, told from steps: a leak is diagnosed as a leak.
+
+A rank that leaks device memory (or host memory) 1 MiB per step moves its
+``cuda_mem_live_bytes`` (``proc_rss_bytes``) a little every window. No single
+window is far out, and the mixture flags it late, once the level is far from
+anything learned, when the KB can only read "this rank differs" (a straggler).
+
+Per rank and feature, river's ADWIN watches the level. A change it detects is
+a drift when the level has grown in most of the last ``span`` windows (a
+step, such as a new model phase allocating once, grows in one window); the
+rank is then flagged (detector ``drift``) with the growth rate,
+``cuda_mem_growth_bytes_per_s`` or ``proc_rss_growth_bytes_per_s`` (least
+squares over the span), for as long as the level keeps growing. The growth
+must also exceed ``min_growth`` bytes over the span (allocator noise is not a
+leak). While a rank drifts, the job model learns nothing from it and its
+thresholds do not move (streams/model/job_model.py ``hold``).
+
+Not checkpointed: a restarted worker watches again from scratch.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from river.drift import ADWIN
+
+DRIFT_FEATURES = (("cuda_mem_live_bytes", "cuda_mem_growth_bytes_per_s"),
+                  ("proc_rss_bytes", "proc_rss_growth_bytes_per_s"))
+
+
+@dataclass
+class DriftFlag:
+    index: int                    # the step row
+    features: dict[str, float]    # <feature>_growth_bytes_per_s of each drifting feature
+
+
+class _Series:
+    def __init__(self, span: int):
+        self.values: deque[tuple[float, float]] = deque(maxlen=span)   # (seconds, value)
+        self.adwin = ADWIN(delta=0.002, grace_period=5, min_window_length=3, clock=1)
+        self.changed = False    # ADWIN saw a change and the level is still growing
+
+
+class MemoryDrift:
+    def __init__(self, span: int = 8, grow_share: float = 0.75, min_growth: float = 8 * 2**20,
+                 capacity: int = 100_000):
+        self.span = span
+        self.grow_share = grow_share
+        self.min_growth = min_growth
+        self.capacity = capacity
+        self.series: dict[tuple, _Series] = {}
+        self.counts = {"changes": 0, "drifting_rows": 0}
+
+    def step(self, job: tuple[str, str], start_ns: int, members: Sequence[tuple[str, int]],
+             vectors: Sequence[Mapping[str, float]]) -> list[DriftFlag]:
+        flags = []
+        t = start_ns / 1e9
+        for i, ((host, rank), v) in enumerate(zip(members, vectors)):
+            out = {}
+            for name, growth_name in DRIFT_FEATURES:
+                x = v.get(name)
+                if x is None or not math.isfinite(float(x)):
+                    continue
+                growth = self._observe((*job, host, rank, name), t, float(x))
+                if growth is not None:
+                    out[growth_name] = growth
+            if out:
+                flags.append(DriftFlag(i, out))
+        self.counts["drifting_rows"] += len(flags)
+        return flags
+
+    def _observe(self, key: tuple, t: float, x: float) -> float | None:
+        s = self.series.get(key)
+        if s is None:
+            if len(self.series) >= self.capacity:
+                self.series.pop(next(iter(self.series)))
+            s = self.series[key] = _Series(self.span)
+        if s.values and t <= s.values[-1][0]:
+            return None            # a late or replayed window
+        s.values.append((t, x))
+        s.adwin.update(x)
+        if s.adwin.drift_detected and not s.changed:
+            s.changed = True
+            self.counts["changes"] += 1
+        if not s.changed or len(s.values) < s.values.maxlen:
+            return None
+        xs = [v for _, v in s.values]
+        ups = sum(b > a for a, b in zip(xs, xs[1:]))
+        if ups < self.grow_share * (len(xs) - 1) or xs[-1] - xs[0] < self.min_growth:
+            s.changed = ups >= self.grow_share * (len(xs) - 1)   # a step: done; a slowing drift: still watched
+            return None
+        return _slope(s.values)
+
+
+def _slope(points) -> float:
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mx = sum(x for _, x in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (x - mx) for t, x in points) / var if var > 0 else 0.0
