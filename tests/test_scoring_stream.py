@@ -288,6 +288,27 @@ def test_in_a_gloo_job_the_rank_that_waits_least_is_the_culprit(store, tmp_path)
     # the peers' waits step up at the onset and the model flags them too: all labelled waiting
     assert others and set(others.values()) == {"waiting"}, others
 
+    # what a user reads: `fleetscope diagnose` names the culprit and every flagged rank's role(s), and the
+    # demo's report says culprit for rank 4 and "waiting on rank 4" for its peers
+    from fleetscope.cli.demo import report
+    from fleetscope.cli.kb import flagged_roles, roles_lines
+    lines = roles_lines(flagged_roles(store, "train", 0, "acme"))
+    assert lines[0] == f"culprit: rank {STRAGGLER}", lines
+    for r, _ in others:
+        line = next(x for x in lines if x.startswith(f"  rank {r} on "))
+        assert "waiting in" in line and "culprit" not in line, lines
+    flagged = [{"rank": r, "window": w, "role": role} for (r, w), (a, role) in sorted(roles.items()) if a]
+    text = report({"window_s": 1.0, "flagged_windows": flagged, "diagnoses_top": [],
+                   "faults": [{"kind": "straggler", "expect": {"ranks": [STRAGGLER], "kb_entry": "straggler_rank"},
+                               "start_s": ONSET, "duration_s": 40 - ONSET, "impact": {}, "verdict": ""}],
+                   "score": {"detection_delay_s": None, "detection_delay_windows": None, "precision": None,
+                             "recall": None, "f1": None, "false_positive_rate": None, "top_kb_entry": None,
+                             "expected_kb_entry": "straggler_rank"}})
+    assert f"culprit:  rank {STRAGGLER} " in text, text
+    for r, _ in others:
+        assert any(x.startswith(f"detected: rank {r} ") and f"waiting on rank {STRAGGLER}" in x
+                   for x in text.splitlines()), text
+
 
 XID_AT, GONE_AT, HUNG_AT, GONE_RANK, XID_RANK = 15, 20, 30, 2, 4   # windows; rank 4 runs on node-b's gpu1
 

@@ -58,13 +58,21 @@ def report(result: dict) -> str:
     lines.append(f"          expected diagnosis: {f['expect']['kb_entry']}")
     lines.append("")
     by_rank: dict[int, list[int]] = {}
+    roles: dict[int, dict[str, int]] = {}    # per rank: windows per role (culprit, waiting, node, job)
     for fw in result["flagged_windows"]:
         by_rank.setdefault(fw["rank"], []).append(fw["window"])
+        role = fw.get("role") or "culprit"   # a store without roles: every flag is the rank's own
+        roles.setdefault(fw["rank"], {})[role] = roles.get(fw["rank"], {}).get(role, 0) + 1
     if not by_rank:
         lines.append("detected: nothing was flagged")
+    named = sorted(r for r, by_role in roles.items() if by_role.get("culprit"))
+    if named:
+        lines.append(f"culprit:  rank {','.join(map(str, named))} (the rank its peers wait for, or at fault itself)")
     for rank in sorted(by_rank):
         spans = ", ".join(f"{a * w:.0f}-{(b + 1) * w:.0f} s" for a, b in _spans(by_rank[rank]))
-        lines.append(f"detected: rank {rank} flagged in {len(by_rank[rank])} windows: {spans}")
+        what = "; ".join(f"{n} {_role_words(role, named)}" for role, n in
+                         sorted(roles[rank].items(), key=lambda kv: -kv[1]))
+        lines.append(f"detected: rank {rank} flagged in {len(by_rank[rank])} windows ({what}): {spans}")
     late = s["detection_delay_s"] is not None and s["detection_delay_s"] > f["duration_s"] + w
     if late:
         lines.append(f"          the faulty rank was not flagged during the fault (its first flag came "
@@ -87,6 +95,14 @@ def report(result: dict) -> str:
     if result.get("plot"):
         lines.append(f"plot:     {result['plot']}")
     return "\n".join(lines)
+
+
+def _role_words(role: str, culprits: list[int]) -> str:
+    if role == "waiting":
+        on = f" on rank {','.join(map(str, culprits))}" if culprits else ""
+        return f"waiting{on}"
+    return {"culprit": "culprit", "node": "node (its node's own signals)",
+            "job": "job (the whole job slowed)"}.get(role, role)
 
 
 def _f(v, d: int = 2) -> str:

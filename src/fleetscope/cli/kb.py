@@ -141,11 +141,43 @@ def diagnose_summary(store, job: str, since_ms: int, tenant: str | None = None, 
     return store.query(DIAGNOSE_SQL.replace("{tenant_clause}", clause), params).as_dicts()
 
 
+ROLES_SQL = """
+SELECT rank, any(host) AS host, role, count() AS windows
+FROM anomalies FINAL
+WHERE job = {job:String} AND window_start >= fromUnixTimestamp64Milli({since_ms:Int64}) {tenant_clause}
+GROUP BY rank, role
+ORDER BY rank, windows DESC
+"""
+
+
+def flagged_roles(store, job: str, since_ms: int, tenant: str | None = None) -> list[dict]:
+    """Per flagged rank and role (culprit, waiting, node, job): its host and how many windows."""
+    params = {"job": job, "since_ms": int(since_ms)}
+    clause = ""
+    if tenant:
+        clause, params["tenant"] = "AND tenant = {tenant:String}", tenant
+    return store.query(ROLES_SQL.replace("{tenant_clause}", clause), params).as_dicts()
+
+
+def roles_lines(roles: list[dict]) -> list[str]:
+    """The culprit(s) named, then every flagged rank with its role(s)."""
+    culprits = sorted({r["rank"] for r in roles if r["role"] == "culprit"})
+    lines = [f"culprit: rank {','.join(map(str, culprits))}" if culprits else "culprit: none named"]
+    by_rank: dict[int, list[dict]] = {}
+    for r in roles:
+        by_rank.setdefault(r["rank"], []).append(r)
+    for rank, rs in sorted(by_rank.items()):
+        what = ", ".join(f"{r['role'] or 'unlabelled'} in {r['windows']} windows" for r in rs)
+        lines.append(f"  rank {rank} on {rs[0]['host']}: {what}")
+    return lines
+
+
 def cmd_diagnose(args, cfg) -> int:
     since_ms = parse_since(args.since)
     store = _open_store(cfg)
     try:
         rows = diagnose_summary(store, args.job, since_ms, args.tenant, args.limit)
+        roles = flagged_roles(store, args.job, since_ms, args.tenant) if args.format != "json" else []
     finally:
         store.close()
     if args.format == "json":
@@ -155,6 +187,7 @@ def cmd_diagnose(args, cfg) -> int:
         print(f"no diagnoses for job {args.job} since {_iso(since_ms)}")
         return 0
     print(f"job {args.job}: {len(rows)} diagnoses since {_iso(since_ms)} UTC, most confident first\n")
+    print("\n".join(roles_lines(roles)) + "\n")
     for i, r in enumerate(rows, 1):
         ranks = ",".join(str(x) for x in r["rank_list"]) + ("..." if r["ranks"] > len(r["rank_list"]) else "")
         print(f"{i}. {r['kb_entry']}  confidence {r['max_confidence']:.2f} max, {r['mean_confidence']:.2f} mean; "
