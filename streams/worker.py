@@ -2,7 +2,8 @@
 
 It computes and publishes; it never opens the store (sinks do), so any number
 of workers share the consumer group, also beside the embedded chDB. Its jobs'
-models and window marks are read back from <prefix>.model-state.
+models and window marks are read back from <prefix>.model-state. Its counters
+go to <data_dir>/workers/<pid>.json every second (stats_file.py) and to /metrics.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fleetscope.topics import MODEL_STATE, prepare_topics
 from fleetscope.streams.app import create_app, run_worker
 from fleetscope.streams.processor import StreamProcessor
 from fleetscope.streams.state_sources import ModelStateTopic
+from fleetscope.streams.stats_file import StatsFile
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
     processor = StreamProcessor(cfg, producer=derived_producer(cfg, bootstrap), states=states)
     from fleetscope.streams.worker_metrics import WorkerMetrics
     metrics = WorkerMetrics(cfg, bootstrap, processor).start()  # /metrics (metrics_address:metrics_port)
+    stats_file = StatsFile(cfg.data_dir, processor.snapshot).start()
     try:
         run_worker(create_app(cfg, bootstrap, processor))
     finally:
@@ -43,5 +46,6 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
                 processor.close()
             except Exception:
                 log.exception("final model checkpoint failed; the last periodic one stands")
+        stats_file.stop()
         metrics.stop()
         states.close()

@@ -1,20 +1,16 @@
-"""Shared fixtures: the real embedded broker and real stream-worker processes."""
+"""Shared fixtures: the real embedded broker and the real embedded stack (sink and worker processes)."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fleetscope.broker import EmbeddedBroker
 from fleetscope.config import Config
+from fleetscope.cli.launcher import EmbeddedStack
 from fleetscope.store import open_store
-from fleetscope.store.endpoint import RemoteStore, endpoint_alive
 from fleetscope.topics import all_topics, ensure_topics
 
 
@@ -25,71 +21,12 @@ def broker(tmp_path_factory):
     b.stop()
 
 
-class StreamsWorker:
-    """`python -m fleetscope streams` in its own process group, as an operator would run it."""
-
-    def __init__(self, cfg: Config, bootstrap: str):
-        self.cfg = cfg
-        self.bootstrap = bootstrap
-        self.proc: subprocess.Popen | None = None
-        self.log_path = cfg.data_dir / "streams.log"
-
-    def env(self) -> dict:
-        return {**os.environ, "FLEETSCOPE_KAFKA": self.bootstrap, "FLEETSCOPE_DATA_DIR": str(self.cfg.data_dir),
-                "FLEETSCOPE_TOPIC_PREFIX": self.cfg.topic_prefix, "FLEETSCOPE_CONSUMER_GROUP": self.cfg.consumer_group,
-                "FLEETSCOPE_WINDOW_S": str(self.cfg.window_s),
-                "FLEETSCOPE_ALLOWED_LATENESS_S": str(self.cfg.allowed_lateness_s),
-                "FLEETSCOPE_IDLE_CLOSE_S": str(self.cfg.idle_close_s), "FLEETSCOPE_HOST": self.cfg.host}
-
-    def start(self, timeout_s: float = 60) -> "StreamsWorker":
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetscope", "streams"], env=self.env(),
-                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while not endpoint_alive(self.cfg.data_dir):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"streams worker did not come up:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        return self
-
-    def stats(self) -> dict:
-        return RemoteStore(self.cfg.data_dir).stats()
-
-    def query(self, sql: str, params: dict | None = None):
-        return RemoteStore(self.cfg.data_dir).query(sql, params)
-
-    def wait_for(self, predicate, timeout_s: float, what: str):
-        deadline = time.monotonic() + timeout_s
-        last = None
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"worker died:\n{self.log_path.read_text()[-3000:]}"
-            last = predicate()
-            if last:
-                return last
-            time.sleep(0.25)
-        raise AssertionError(f"timed out waiting for {what}; last={last}\n{self.log_path.read_text()[-2000:]}")
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        (self.cfg.data_dir / "endpoint.json").unlink(missing_ok=True)  # a killed worker cannot clean up
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 @pytest.fixture()
 def pipeline_cfg(tmp_path, broker) -> Config:
     run = uuid.uuid4().hex[:8]
     cfg = Config(data_dir=tmp_path, topic_prefix=f"t{run}", consumer_group=f"g{run}", partitions=2,
                  window_s=1.0, allowed_lateness_s=0.5, idle_close_s=3.0, host=f"host-{run}",
-                 sample_interval_s=0.5,
+                 sample_interval_s=0.5, metrics_port=0,  # /metrics on a free port: tests run side by side
                  # pipeline tests count exact rows: no tracers, which would also pick up
                  # whatever torch processes other tests on this machine run (trace_auto)
                  trace=())
@@ -98,17 +35,19 @@ def pipeline_cfg(tmp_path, broker) -> Config:
 
 
 @pytest.fixture()
-def streams_worker(pipeline_cfg, broker):
-    workers: list[StreamsWorker] = []
+def embedded_stack(pipeline_cfg, broker):
+    """Starts the launcher's stack (cli/launcher.py: a `fleetscope sink` process and `fleetscope streams`
+    worker processes, as an operator runs them) on the session's broker; every one started is stopped."""
+    stacks: list[EmbeddedStack] = []
 
-    def make() -> StreamsWorker:
-        w = StreamsWorker(pipeline_cfg, broker.bootstrap)
-        workers.append(w)
-        return w
+    def make(workers: int = 1, cfg: Config | None = None) -> EmbeddedStack:
+        stack = EmbeddedStack(replace(cfg or pipeline_cfg, kafka=broker.bootstrap), workers=workers)
+        stacks.append(stack)
+        return stack.start()
 
     yield make
-    for w in workers:
-        w.stop()
+    for stack in stacks:
+        stack.stop()
 
 
 def repo_root() -> Path:
@@ -141,5 +80,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.root)
         if module in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        if {"broker", "pipeline_cfg", "streams_worker"} & set(getattr(item, "fixturenames", ())):
+        if {"broker", "pipeline_cfg", "embedded_stack"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)

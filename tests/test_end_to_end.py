@@ -1,5 +1,7 @@
 """The whole pipeline with real parts: the tansu broker, the real node agent
-reading this machine's /proc, a `fleetscope streams` process (Faust), and chDB."""
+reading this machine's /proc, `fleetscope streams` worker processes (Faust) that
+compute and publish, and a `fleetscope sink` process that stores every topic in chDB
+(the launcher's stack, cli/launcher.py)."""
 from __future__ import annotations
 
 import threading
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from fleetscope.cli.launcher import StackError
 from fleetscope.schema import node_identity
 from fleetscope.wire import Batch, StrColumn, encode
 from fleetscope.producers.agent import build_agent
@@ -32,26 +35,56 @@ def run_agent(cfg, bootstrap, seconds):
     return agent, thread
 
 
-def node_features(worker, host):
-    return worker.query(
+def node_features(stack, host):
+    return stack.query(
         "SELECT toUnixTimestamp64Nano(window_start), toUnixTimestamp64Nano(window_end), feature, sources "
         "FROM features WHERE tenant = '_node' AND job = {h:String} ORDER BY window_start", {"h": host}).rows
 
 
-def test_agent_to_clickhouse_features_match_proc_stat(pipeline_cfg, streams_worker, broker):
-    worker = streams_worker().start()
+def raw_rows(stack, host) -> int:
+    return stack.query("SELECT count() FROM raw_metrics WHERE host = {h:String}", {"h": host}).rows[0][0]
+
+
+def progress(stack, host) -> dict:
+    """Where the pipeline stands, read in data-path order: the workers first, then the sink, so that a
+    sink lag of 0 read last covers everything the workers had published when they were read."""
+    out = {"worker_lag": stack.worker_lag(), "workers": stack.worker_stats()}
+    out["raw_rows"] = raw_rows(stack, host)
+    out["sink_lag"] = stack.sink_lag()
+    return out
+
+
+def wait_settled(stack, host, sent: int, timeout_s: float, what: str, also=lambda: True) -> None:
+    """Every event the agent sent is stored, the workers committed all raw input with no window open or
+    unacknowledged, and the sink stored everything published (its offsets are at the end of every topic)."""
+    state = {}
+
+    def done():
+        state.update(progress(stack, host))
+        w = state["workers"]
+        return (state["worker_lag"] == 0 and w is not None and w["open_windows"] == 0 and w["unacked_messages"] == 0
+                and state["raw_rows"] >= sent and state["sink_lag"] == 0 and also())
+    try:
+        stack.wait_for(done, timeout_s, what)
+    except StackError as exc:
+        raise AssertionError(f"{exc}\nsent {sent}, state {state}") from None
+
+
+def test_agent_to_clickhouse_features_match_proc_stat(pipeline_cfg, embedded_stack, broker):
+    stack = embedded_stack()
     busy0, total0 = proc_stat_total()
     agent, thread = run_agent(pipeline_cfg, broker.bootstrap, seconds=4.0)
     thread.join()
     busy1, total1 = proc_stat_total()
-    worker.wait_for(lambda: worker.stats()["open_windows"] == 0 and len(node_features(worker, pipeline_cfg.host)) >= 3,
-                    30, "windows to close")
-    rows = node_features(worker, pipeline_cfg.host)
+    sent = agent.publisher.stats.events_sent
+    wait_settled(stack, pipeline_cfg.host, sent, 60, "windows to close and be stored",
+                 also=lambda: len(node_features(stack, pipeline_cfg.host)) >= 3)
+    rows = node_features(stack, pipeline_cfg.host)
     busy_sum = total_sum = 0.0
     for start, end, feature, sources in rows:
         assert {"host", "agent"} <= set(sources) <= {"host", "agent", "nvml"}  # nvml: one status row here (no GPU)
         assert 0.0 <= feature["mem_used_frac"] <= 1.0
-        deltas = dict(worker.query(
+        deltas = dict(stack.query(
             "SELECT metric, sum(value) FROM raw_metrics WHERE job = {h:String} AND device = 'all' "
             "AND metric LIKE 'cpu.%' AND interval_ns > 0 AND ts >= fromUnixTimestamp64Nano({s:Int64}) "
             "AND ts < fromUnixTimestamp64Nano({e:Int64}) GROUP BY metric",
@@ -69,8 +102,7 @@ def test_agent_to_clickhouse_features_match_proc_stat(pipeline_cfg, streams_work
     # the agent's deltas cover a sub-span of the test's own /proc/stat reading
     assert busy_sum / total_sum == pytest.approx((busy1 - busy0) / (total1 - total0), abs=0.15)
     # nothing the agent sent is missing from the store (its rank processes' proc rows carry their own jobs)
-    raw_rows = worker.query("SELECT count() FROM raw_metrics WHERE host = {h:String}", {"h": pipeline_cfg.host}).rows[0][0]
-    assert raw_rows == agent.publisher.stats.events_sent
+    assert raw_rows(stack, pipeline_cfg.host) == sent
     assert agent.publisher.stats.dropped_events == 0
 
 
@@ -83,8 +115,8 @@ def synthetic_host_batch(host: str, ts_ns: int) -> Batch:
     return Batch("host", host, cols)
 
 
-def test_bad_messages_land_in_the_dlq_and_the_worker_keeps_going(pipeline_cfg, streams_worker, broker):
-    worker = streams_worker().start()
+def test_bad_messages_land_in_the_dlq_and_the_worker_keeps_going(pipeline_cfg, embedded_stack, broker):
+    stack = embedded_stack()
     topic = pipeline_cfg.raw_topic("host")
     key = f"_node/{pipeline_cfg.host}".encode()
     good = [synthetic_host_batch(pipeline_cfg.host, time.time_ns() - 4_000_000_000 + k * 500_000_000) for k in range(8)]
@@ -103,49 +135,77 @@ def test_bad_messages_land_in_the_dlq_and_the_worker_keeps_going(pipeline_cfg, s
     for batch in good:
         producer.produce(topic, key=key, value=encode(batch), headers=batch.kafka_headers())
     assert producer.flush(10) == 0
-    worker.wait_for(lambda: worker.query("SELECT count() FROM dlq").rows[0][0] == 5, 30, "five stored dead letters")
-    assert worker.stats()["dlq"] == 5
-    reasons = sorted(r[0] for r in worker.query("SELECT reason FROM dlq").rows)
+    # The worker dead-letters five. The sink refuses the mistyped batch too (schema.validate checks only the
+    # required columns, so the sink admits it and its raw insert fails): a sixth, distinct dead letter.
+    stack.wait_for(lambda: stack.query("SELECT count() FROM dlq").rows[0][0] >= 6, 30, "six stored dead letters")
+    stack.wait_for(lambda: stack.worker_stats()["dlq"] >= 5, 10, "the worker's counters (written every second)")
+    assert stack.worker_stats()["dlq"] == 5
+    stored = stack.query("SELECT reason, offset FROM dlq ORDER BY reason").rows
+    assert len(stored) == 6, "\n".join(map(str, stored))
+    sink_refused = [o for r, o in stored if r.startswith("store rejected it (raw_metrics)")]
+    assert sink_refused == [o for r, o in stored if r.startswith("windowing failed")], stored
+    reasons = sorted(r for r, _ in stored)
     assert any("bad magic" in r for r in reasons)
     assert any("truncated" in r for r in reasons)
     assert any("message key 'acme/not-this-node' disagrees" in r for r in reasons)
     assert any("windowing failed: TypeError" in r for r in reasons)
-    features = worker.wait_for(lambda: node_features(worker, pipeline_cfg.host), 30, "features after bad input")
+    features = stack.wait_for(lambda: node_features(stack, pipeline_cfg.host), 30, "features after bad input")
     assert features[0][2]["cpu_busy_frac"] == pytest.approx(0.4)
-    assert worker.proc.poll() is None
+    stack.check()  # the worker and the sink are still running
     # the dead letters are on the DLQ topic too, with the reason in a header
     consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "dlq-check", "fetch.wait.max.ms": 10})
     consumer.assign([TopicPartition(pipeline_cfg.topic("dlq"), p, 0) for p in range(pipeline_cfg.partitions)])
     got = []
     deadline = time.monotonic() + 10
-    while len(got) < 5 and time.monotonic() < deadline:
+    while len(got) < 6 and time.monotonic() < deadline:
         got += [m for m in consumer.consume(10, 0.5) if not m.error()]
     consumer.close()
     assert sorted(dict(m.headers())["fs-dlq-reason"].decode() for m in got) == reasons
 
 
-def test_killed_worker_restarts_without_losing_or_duplicating_feature_rows(pipeline_cfg, streams_worker, broker):
-    host = pipeline_cfg.host
-    first = streams_worker().start()
-    agent, thread = run_agent(pipeline_cfg, broker.bootstrap, seconds=14.0)
-    first.wait_for(lambda: len(node_features(first, host)) >= 3, 40, "first feature rows")
-    first.kill()  # SIGKILL mid-run: no flush, no commit, no goodbye
-    second = streams_worker().start()
-    thread.join()
-    sent = agent.publisher.stats.events_sent
-
-    def settled():
-        s = second.stats()
-        raw = second.query("SELECT count() FROM raw_metrics WHERE host = {h:String}", {"h": host}).rows[0][0]
-        return s["open_windows"] == 0 and s["unacked_messages"] == 0 and raw == sent and raw
-
-    second.wait_for(settled, 60, "the restarted worker to catch up")
-    per_window = second.query(
-        "SELECT toUnixTimestamp64Milli(window_start) AS w, count() FROM features WHERE job = {h:String} "
-        "GROUP BY w ORDER BY w", {"h": host}).rows
+def assert_every_window_once(stack, host, at_least: int, final: bool = False):
+    per_window = stack.query(
+        f"SELECT toUnixTimestamp64Milli(window_start) AS w, count() FROM features {'FINAL' if final else ''} "
+        "WHERE job = {h:String} GROUP BY w ORDER BY w", {"h": host}).rows
     counts = [c for _, c in per_window]
     assert counts == [1] * len(counts), f"duplicated windows: {per_window}"
     starts = [w for w, _ in per_window]
     assert starts == list(range(starts[0], starts[-1] + 1000, 1000)), "a window is missing"
-    assert len(starts) >= 12
-    assert second.stats()["replayed_events"] > 0 or second.stats()["events_in"] < sent  # it really resumed
+    assert len(starts) >= at_least
+
+
+def test_killed_worker_restarts_without_losing_or_duplicating_feature_rows(pipeline_cfg, embedded_stack, broker):
+    host = pipeline_cfg.host
+    stack = embedded_stack()
+    agent, thread = run_agent(pipeline_cfg, broker.bootstrap, seconds=14.0)
+    stack.wait_for(lambda: len(node_features(stack, host)) >= 3, 40, "first feature rows")
+    stack.kill_worker(0)  # SIGKILL mid-run: no flush, no commit, no goodbye
+    stack.restart_worker(0)
+    thread.join()
+    sent = agent.publisher.stats.events_sent
+    wait_settled(stack, host, sent, 90, "the restarted worker and the sink to catch up")
+    assert raw_rows(stack, host) == sent
+    assert_every_window_once(stack, host, at_least=12)
+    s = stack.worker_stats()  # the restarted worker's own counters
+    assert s["replayed_events"] > 0 or s["events_in"] < sent  # it really resumed
+
+
+def test_killed_sink_restarts_without_losing_or_duplicating_rows(pipeline_cfg, embedded_stack, broker):
+    host = pipeline_cfg.host
+    stack = embedded_stack()
+    agent, thread = run_agent(pipeline_cfg, broker.bootstrap, seconds=14.0)
+    stack.wait_for(lambda: len(node_features(stack, host)) >= 3, 40, "first feature rows")
+    stack.kill_sink()  # SIGKILL mid-run: whatever it consumed but had not committed is replayed
+    # the worker keeps computing and publishing while no sink runs
+    windows_before, sent_before = stack.worker_stats()["windows_out"], agent.publisher.stats.events_sent
+    stack.wait_for(lambda: stack.worker_stats()["windows_out"] > windows_before + 2
+                   and agent.publisher.stats.events_sent > sent_before, 30, "the worker to go on without a sink")
+    stack.restart_sink()
+    thread.join()
+    sent = agent.publisher.stats.events_sent
+    wait_settled(stack, host, sent, 90, "the restarted sink to catch up")
+    assert raw_rows(stack, host) == sent
+    assert stack.query("SELECT count() FROM dlq").rows[0][0] == 0
+    # Under FINAL: the replayed poll is regrouped into inserts with other dedupe tokens, so until a merge
+    # the windows stored just before the kill can show twice (ReplacingMergeTree keeps one; known gap).
+    assert_every_window_once(stack, host, at_least=12, final=True)

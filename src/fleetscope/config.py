@@ -226,6 +226,9 @@ _ENV = {  # env var -> field
         "kafka_security_protocol", "kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password_file",
         "kafka_ssl_ca_location", "kafka_ssl_certificate_location", "kafka_ssl_key_location")},
 }
+# Every environment variable that sets a setting. A launcher handing its children one config file drops these
+# from their environment, where they would override the file (secrets such as the SASL password stay).
+SETTING_ENV_VARS = frozenset(_ENV)
 # TOML tables whose keys are settings under a prefix: [kafka_security] sasl_username = "x" -> kafka_sasl_username
 _SECTIONS = {"kafka_security": "kafka_"}
 

@@ -15,7 +15,7 @@ from fleetscope.cli.topic_flags import add_topic_flags, with_topic_flags
 
 def cmd_up(args) -> int:
     from fleetscope.cli.up import run_up
-    return run_up(load_config(args), duration_s=args.duration, plain=args.plain)
+    return run_up(load_config(args), duration_s=args.duration, plain=args.plain, workers=args.workers)
 
 
 def cmd_agent(args) -> int:
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="embedded all-in-one: broker, streams worker, agent and chDB, with live status")
     up.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
     up.add_argument("--plain", action="store_true", help="print a status line per second instead of a live display")
+    up.add_argument("--workers", type=int, default=1, help="stream worker processes sharing the partitions (default 1)")
     up.set_defaults(func=cmd_up)
 
     agent = sub.add_parser("agent", help="run the node agent against FLEETSCOPE_KAFKA")
