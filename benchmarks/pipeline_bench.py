@@ -55,10 +55,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 from fleetscope import config as config_mod  # noqa: E402
-from fleetscope.broker import EmbeddedBroker, die_with_parent  # noqa: E402
+from fleetscope.cli.launcher import EmbeddedStack  # noqa: E402
 from fleetscope.schema import NODE_TENANT, SOURCE_COLUMNS, node_identity, validate  # noqa: E402
-from fleetscope.store.endpoint import RemoteStore, endpoint_alive  # noqa: E402
-from fleetscope.topics import all_topics, ensure_topics  # noqa: E402
+from fleetscope.topics import ensure_topics  # noqa: E402
 from fleetscope.wire import Batch, StrColumn, decode, encode  # noqa: E402
 
 GOAL_RATIO = 0.5
@@ -136,58 +135,36 @@ class Fleet:
 # ---- processes: the worker, CPU/RSS probes ------------------------------------------------
 
 class Worker:
-    def __init__(self, env: dict, data_dir: Path, profile_path: str | None = None,
-                 fetch_wait_ms: int | None = None):
-        self.env, self.data_dir = env, data_dir
-        self.cmd = [sys.executable, "-m", "fleetscope", "streams"]
-        if profile_path:  # cProfile of the main thread (Faust's event loop), written when it stops
-            self.cmd[1:1] = ["-m", "cProfile", "-o", profile_path]
-        elif fetch_wait_ms is not None:  # what-if: the same worker with another aiokafka fetch wait
-            self.cmd = [sys.executable, "-c", WHAT_IF_FETCH_WAIT, str(fetch_wait_ms)]
-        self.log_path = data_dir / "streams.log"
-        self.proc: subprocess.Popen | None = None
-        self.store: RemoteStore | None = None
+    """The bench's view of the launcher's stack (fleetscope.cli.launcher): the workers' and the sink's
+    counters, and SQL through the sink's endpoint."""
 
-    def start(self, timeout_s: float = 90.0) -> "Worker":
-        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT,
-                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
-                                     preexec_fn=die_with_parent)  # own process group, dies with us
-        deadline = time.monotonic() + timeout_s
-        while not endpoint_alive(self.data_dir):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"streams worker did not come up; log tail:\n{self.tail()}")
-            time.sleep(0.2)
-        self.store = RemoteStore(self.data_dir, timeout=60)
-        return self
+    def __init__(self, stack: EmbeddedStack):
+        self.stack = stack
+
+    @staticmethod
+    def argv(profile_path: str | None = None, fetch_wait_ms: int | None = None) -> list[str]:
+        cmd = [sys.executable, "-m", "fleetscope", "streams"]
+        if profile_path:  # cProfile of the main thread (Faust's event loop), written when it stops
+            cmd[1:1] = ["-m", "cProfile", "-o", profile_path]
+        elif fetch_wait_ms is not None:  # what-if: the same worker with another aiokafka fetch wait
+            cmd = [sys.executable, "-c", WHAT_IF_FETCH_WAIT, str(fetch_wait_ms)]
+        return cmd
 
     def tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return "(no log)"
+        return "\n".join(p.tail(n) for p in [*self.stack.workers, self.stack.sink] if p is not None)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return all(p.alive() for p in [*self.stack.workers, self.stack.sink] if p is not None)
 
     def stats(self) -> dict:
-        if not self.alive():
-            raise RuntimeError(f"streams worker died (code {self.proc.returncode}); log tail:\n{self.tail()}")
-        return self.store.stats()
+        self.stack.check()  # a dead worker or sink raises with its log's name
+        s = self.stack.stats()
+        if s is None:
+            raise RuntimeError(f"no counters from the stack; log tails:\n{self.tail()}")
+        return s
 
     def query(self, sql: str, params: dict | None = None) -> list[tuple]:
-        return self.store.query(sql, params).rows
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        return self.stack.query(sql, params).rows
 
 
 # Faust's aiokafka driver hard-codes fetch_max_wait_ms=1500; this runs the unchanged worker with
@@ -786,7 +763,7 @@ def summarise(result: dict, steps: list[dict]) -> None:
 
 
 class Stack:
-    """One broker, its topics, one streams worker with its own chDB, and the bench's clients."""
+    """One broker, its topics, the launcher's sink and streams worker with their own chDB, and the bench's clients."""
 
     def __init__(self, args, run_id: str, tag: str):
         self.args, self.run_id, self.tag = args, run_id, tag
@@ -795,26 +772,28 @@ class Stack:
                     "FLEETSCOPE_TOPIC_PREFIX": f"{run_id}{tag}", "FLEETSCOPE_CONSUMER_GROUP": f"{run_id}{tag}-streams",
                     "FLEETSCOPE_PARTITIONS": str(args.partitions), "FLEETSCOPE_WINDOW_S": str(args.window_s)}
         for var in ("FLEETSCOPE_ALLOWED_LATENESS_S", "FLEETSCOPE_IDLE_CLOSE_S", "FLEETSCOPE_CONFIG",
-                    "FLEETSCOPE_CLICKHOUSE_URL", "FLEETSCOPE_DATABASE"):
-            self.env.pop(var, None)  # the shipped defaults, the embedded store
-        self.broker = self.worker = self.producer = self.lag_probe = None
+                    "FLEETSCOPE_CLICKHOUSE_URL", "FLEETSCOPE_DATABASE", "FLEETSCOPE_KAFKA"):
+            self.env.pop(var, None)  # the shipped defaults, the embedded broker and store
+        self.stack = self.broker = self.worker = self.producer = self.lag_probe = None
 
     def start(self) -> "Stack":
-        self.broker = EmbeddedBroker(log_path=self.data_dir / "broker.log").start()
-        self.env["FLEETSCOPE_KAFKA"] = self.broker.bootstrap
-        self.cfg = config_mod.load(env=self.env)
+        self.stack = EmbeddedStack(config_mod.load(env=self.env), workers=1, env=self.env,
+                                   worker_argv=Worker.argv(self.args.profile_worker, self.args.what_if_fetch_wait_ms))
+        self.stack.start()
+        self.cfg, self.broker = self.stack.cfg, self.stack.broker
         self.topic = self.cfg.raw_topic("host")
         self.probe_topic = f"{self.cfg.topic_prefix}.bench-probe"  # never a raw topic: the worker would dead-letter it
-        ensure_topics(self.broker.bootstrap, all_topics(self.cfg) + [self.probe_topic], self.cfg.partitions)
-        self.worker = Worker(self.env, self.data_dir, self.args.profile_worker, self.args.what_if_fetch_wait_ms).start()
+        ensure_topics(self.broker.bootstrap, [self.probe_topic], self.cfg.partitions)
+        self.worker = Worker(self.stack)
         self.lag_probe = CommittedLag(self.broker.bootstrap, self.cfg.consumer_group, self.topic, self.cfg.partitions)
         self.producer = make_producer(self.broker.bootstrap)
-        worker, broker = self.worker, self.broker
-        self.probes = [ProcProbe("worker", lambda: group_pids(worker.proc.pid)),
+        stack, broker = self.stack, self.broker
+        self.probes = [ProcProbe("worker", lambda: group_pids(stack.workers[0].pid)),
+                       ProcProbe("sink", lambda: group_pids(stack.sink.pid)),
                        ProcProbe("broker", lambda: [broker.pid]),
                        ProcProbe("bench_producer", lambda: [os.getpid()])]
-        log(f"[{self.tag}] broker on {self.broker.bootstrap} (pid {self.broker.pid}), worker pid {self.worker.proc.pid}, "
-            f"data dir {self.data_dir}")
+        log(f"[{self.tag}] broker on {self.broker.bootstrap} (pid {self.broker.pid}), worker pid "
+            f"{stack.workers[0].pid}, sink pid {stack.sink.pid}, data dir {self.data_dir}")
         return self
 
     def stop(self) -> None:
@@ -824,10 +803,8 @@ class Stack:
         if self.producer is not None:
             self.producer.flush(5)
             self.producer = None  # its threads would keep dialling the stopped broker
-        if self.worker is not None:
-            self.worker.stop()
-        if self.broker is not None:
-            self.broker.stop()
+        if self.stack is not None:
+            self.stack.stop()
         if not self.args.keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         else:
