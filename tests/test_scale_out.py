@@ -1,0 +1,95 @@
+"""Two stream workers share the raw partitions beside one sink, on the real embedded broker and chDB
+(the launcher's stack): a known number of events in, exactly those rows out, every window once."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from fleetscope.schema import node_identity
+from fleetscope.wire import Batch, StrColumn, decode, encode
+from fleetscope.streams.stats_file import read_worker_stats
+
+NAMES = tuple(f"cpu.{s}" for s in ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"))
+
+
+def host_batch(host: str, ts_ns: int) -> Batch:
+    n = len(NAMES)
+    cols = {"ts_ns": np.full(n, ts_ns, dtype="<i8"), **node_identity(host, n),
+            "metric": StrColumn(np.arange(n, dtype=np.uint32), NAMES), "device": StrColumn.constant("all", n),
+            "value": np.array([0.3, 0, 0.1, 0.6, 0, 0, 0, 0]), "interval_ns": np.full(n, 500_000_000, dtype="<i8")}
+    return Batch("host", host, cols)
+
+
+def features_on_topic(bootstrap: str, topic: str, partitions: int, hosts: set[str]) -> Counter:
+    """(host, window_start_ns) -> how many times the workers published that window."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{time.time_ns()}",
+                         "fetch.wait.max.ms": 10})
+    ends = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in range(partitions)]
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    seen, done = Counter(), [0] * partitions
+    deadline = time.monotonic() + 30
+    while any(d < e for d, e in zip(done, ends)) and time.monotonic() < deadline:
+        for m in consumer.consume(100, 0.5):
+            if m.error():
+                continue
+            done[m.partition()] = m.offset() + 1
+            b = decode(m.value(), m.headers())
+            jobs = [b.columns["job"].values[c] for c in b.columns["job"].codes.tolist()]
+            for job, w in zip(jobs, b.columns["window_start_ns"].tolist()):
+                if job in hosts:
+                    seen[(job, w)] += 1
+    consumer.close()
+    return seen
+
+
+def test_two_workers_and_one_sink_store_every_event_and_each_window_once(pipeline_cfg, embedded_stack, broker):
+    stack = embedded_stack(workers=2)
+    hosts = [f"{pipeline_cfg.host}-{k}" for k in range(6)]
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "enable.idempotence": True})
+    topic = pipeline_cfg.raw_topic("host")
+    t0 = time.time_ns() // 1_000_000_000 * 1_000_000_000 - 2_000_000_000
+    sent, rounds, windows = 0, 0, {h: set() for h in hosts}
+
+    def both_working() -> bool:
+        docs = [read_worker_stats(stack.data_dir, w.pid) for w in stack.workers]
+        return all(d and d["events_in"] > 0 for d in docs)
+
+    # Event time advances 0.5 s a round; keep feeding (a known count) until both workers have taken a share
+    # of the partitions and processed events from it, and for at least 16 rounds.
+    deadline = time.monotonic() + 120
+    while (rounds < 16 or not both_working()) and time.monotonic() < deadline:
+        ts = t0 + rounds * 500_000_000
+        for k, host in enumerate(hosts):
+            b = host_batch(host, ts)
+            producer.produce(topic, key=f"_node/{host}".encode(), value=encode(b), headers=b.kafka_headers(),
+                             partition=k % pipeline_cfg.partitions)
+            sent += b.count
+            windows[host].add(ts // 1_000_000_000 * 1_000_000_000)
+        assert producer.flush(10) == 0
+        rounds += 1
+        time.sleep(0.5)  # the data's pace, not a synchronisation
+    assert both_working(), "the second worker never got a share of the partitions"
+
+    def settled():
+        w = stack.worker_stats()
+        stored = stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
+                             {"p": pipeline_cfg.host}).rows[0][0]
+        return (stack.worker_lag() == 0 and w and w["open_windows"] == 0 and w["unacked_messages"] == 0
+                and stored >= sent and stack.sink_lag() == 0)
+    stack.wait_for(settled, 120, f"{sent} events stored and every window closed")
+
+    assert stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
+                       {"p": pipeline_cfg.host}).rows[0][0] == sent
+    assert stack.query("SELECT count() FROM dlq").rows[0][0] == 0
+    stored = Counter({(h, w): n for h, w, n in stack.query(
+        "SELECT job, toUnixTimestamp64Nano(window_start), count() FROM features WHERE tenant = '_node' "
+        "AND startsWith(job, {p:String}) GROUP BY job, window_start", {"p": pipeline_cfg.host}).rows})
+    expected = {(h, w) for h in hosts for w in windows[h]}
+    assert set(stored) == expected, f"missing {sorted(expected - set(stored))[:5]}, extra {sorted(set(stored) - expected)[:5]}"
+    assert [k for k, n in stored.items() if n != 1] == [], "a window stored twice"
+    published = features_on_topic(broker.bootstrap, pipeline_cfg.topic("features"), pipeline_cfg.partitions, set(hosts))
+    assert set(published) == expected
+    assert [k for k, n in published.items() if n != 1] == [], "a window published by both workers"
