@@ -62,12 +62,12 @@ JOINED_FEATURES = frozenset(("gpu_util", "gpu_power_w", "gpu_ofu", "gpu_tensor_u
 # Derived by the scorer's loud-failure checks (streams/model/loud.py), on the rank they blame.
 LOUD_FEATURES = frozenset(("rank_vanished", "collective_stalled", "gpu_ecc_new_errors"))
 # A job's aggregate of its ranks' own GPUs per window (streams/rank_context.job_gpu_means over one step's
-# joined vectors): the job's OFU, for comparing a job with its own history. Not in ALL_FEATURES until the
-# scorer adds them to each rank's evidence (streams/scoring.py: one call after the step's join).
+# joined vectors), added by the scorer to every rank's evidence: the job's OFU, for comparing a job with
+# its own history (job_ofu_ratio).
 JOB_GPU_FEATURES = frozenset(("job_gpu_ofu", "job_gpu_tensor_util"))
 PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
-JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio"))
+JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio", "job_ofu_ratio"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.
 DRIFT_FEATURES = frozenset(("cuda_mem_growth_bytes_per_s", "proc_rss_growth_bytes_per_s"))
-ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_FEATURES | DRIFT_FEATURES
+ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_GPU_FEATURES | JOB_FEATURES | DRIFT_FEATURES

@@ -6,9 +6,11 @@ Runs on the flush thread, after the step's feature rows are stored:
   network) as evidence for diagnosis;
 - each node window is scored by the node's own model (model/node.py); a
   flagged one flags every rank of that host in that window, role `node`;
-- each job step's collective rate is judged against the job's own history
-  (model/job_rate.py); a job-wide slowdown that no minority of culprits
-  explains flags every rank of the step, role `job`;
+- each job step's collective rate, and its OFU (the mean of its ranks' own
+  GPUs', rank_context.job_gpu_means, added to every rank's evidence), are
+  judged against the job's own history (model/job_rate.py); a job-wide
+  slowdown or OFU fall that no minority of culprits explains flags every
+  rank of the step, role `job`;
 - one JobModel per (tenant, job) and per node (tenant `_node`, job = host), restored from `model_state` the first time
   this worker sees the job and checkpointed every `checkpoint_s`;
 - every flagged rank-window gets a role (model/roles.py): `culprit`, or
@@ -40,7 +42,7 @@ from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
 from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles
-from fleetscope.streams.rank_context import RankContext, joined_peer_z
+from fleetscope.streams.rank_context import RankContext, job_gpu_means, joined_peer_z
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
 from fleetscope.streams.sinks import token
 
@@ -71,6 +73,7 @@ class ScoringStats:
     node_anomalies: int = 0  # of them flagged
     node_attributed: int = 0  # rank-windows flagged with role node
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
+    job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
 
 
@@ -214,6 +217,9 @@ class Scorer:
                 unjoined.add(i)
             evidence.append({**(node or {}), **v})
         joined_z = joined_peer_z(evidence)
+        job_gpu = job_gpu_means(evidence)   # the job's OFU per window: judged below against its own history
+        for v in evidence:
+            v.update(job_gpu)
         step = assign_roles([w.key[3] for w, _ in members], [v for _, v in members],
                             [s.is_anomaly for s in results])
         roles = list(step.roles)
@@ -262,20 +268,12 @@ class Scorer:
         if rate is not None:
             for v in evidence:
                 v.update(rate.features)
-        if rate is not None and rate.flagged:
-            # a minority of culprits explains a job's slowdown (its peers wait on them); the whole job
-            # slowing alike, or most ranks looking odd at once, is the job's own change
-            culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
-            if not culprit_rows or 2 * len(culprit_rows) >= len(members):
-                self.stats.job_rate_flags += 1
-                for i, s in enumerate(results):
-                    if i in loud_rows or roles[i] == NODE:
-                        continue
-                    s.is_anomaly = True
-                    s.detectors.append("job_rate")
-                    roles[i] = JOB
-                    explained[i] = {**explained.get(i, {}),
-                                    "job_iteration_time_ratio": rate.features["job_iteration_time_ratio"]}
+        if rate is not None and rate.flagged and self._flag_job(results, roles, loud_rows, explained, "job_rate",
+                                                                "job_iteration_time_ratio", rate.features):
+            self.stats.job_rate_flags += 1
+        if rate is not None and rate.ofu_flagged and self._flag_job(results, roles, loud_rows, explained, "job_ofu",
+                                                                    "job_ofu_ratio", rate.features):
+            self.stats.job_ofu_flags += 1
         culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
                           | {g.key[3] for g, _, _ in ghosts})
         for i, ((w, _), s) in enumerate(zip(members, results)):
@@ -286,6 +284,24 @@ class Scorer:
         for ghost, s, features in ghosts:
             scored.append((ghost, s, CULPRIT))
             flagged.append((ghost, s, features, CULPRIT, culprits, {}, features))
+
+    @staticmethod
+    def _flag_job(results, roles, loud_rows, explained, detector: str, feature: str, features: dict) -> bool:
+        """Flag every rank of the step (role job) unless a minority of culprits explains the change (its
+        peers wait on them); the whole job changing alike, or most ranks looking odd at once, is the job's
+        own. Loud rows and node-flagged ranks keep theirs."""
+        culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
+        if culprit_rows and 2 * len(culprit_rows) < len(results):
+            return False
+        for i, s in enumerate(results):
+            if i in loud_rows or roles[i] == NODE:
+                continue
+            s.is_anomaly = True
+            if detector not in s.detectors:
+                s.detectors.append(detector)
+            roles[i] = JOB
+            explained[i] = {**explained.get(i, {}), feature: features[feature]}
+        return True
 
     def _store_scores(self, scored, now: int) -> None:
         n = len(scored)

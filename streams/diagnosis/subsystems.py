@@ -26,6 +26,9 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("net_*", "network"),
     ("tcp_*", "network"),
     ("irq_*", "network"),
+    # the job's OFU against its own history (model/job_rate.py, rank_context.job_gpu_means): tensor work
+    ("job_ofu_ratio", "gpu_compute"),
+    ("job_gpu_*", "gpu_compute"),
     # the job against its own history (model/job_rate.py): its iteration time, the framework's pace
     ("job_*", "framework"),
     # cpu: time split, scheduling, off-CPU threads

@@ -26,8 +26,18 @@ job's own past can. Per job step:
   job's new normal (as JobModel does for a new phase).
 
 Windows in which no rank completed a collective are left out (a hang is
-model/loud.py's). Not checkpointed: a restarted worker relearns the baseline
-in ``warmup`` windows.
+model/loud.py's).
+
+The job's OFU (``job_gpu_ofu``: the mean over its ranks of each rank's own
+GPU's OFU, streams/rank_context.job_gpu_means) is judged the same way, on
+its own history: ``job_ofu_ratio`` = current / healthy baseline (median). A
+fall of ``z_enter`` robust deviations that is also at least ``ofu_min_drop``
+of the baseline flags the step (the seed's 2.5x OFU regression); a rise is
+not a regression. Windows without GPM (no OFU) are left out.
+
+Checkpointed with the job's model (``state``/``load``: plain numbers, river's
+Page-Hinkley reduced to its running sums); a restarted worker goes on with
+the same baselines and change counters.
 """
 from __future__ import annotations
 
@@ -39,36 +49,69 @@ from typing import Mapping, Sequence
 from river.drift import PageHinkley
 
 RATE_FEATURES = ("nccl_calls_per_s", "torch_comm_waits_per_s")
+OFU_FEATURE = "job_gpu_ofu"
 MAD_TO_SIGMA = 1.4826
 REL_FLOOR = 0.02     # the rate's scale is at least 2% of its level: healthy jobs vary by a few percent
 
 
 @dataclass
 class JobRateResult:
-    flagged: bool
-    features: dict[str, float]     # job_collective_rate, job_rate_z, job_iteration_time_ratio
-    rate_feature: str
+    flagged: bool                  # the collective rate left the job's history
+    features: dict[str, float]     # job_collective_rate, job_rate_z, job_iteration_time_ratio, job_ofu_ratio
+    rate_feature: str | None
+    ofu_flagged: bool = False      # the job's OFU fell against its history
+
+
+class OwnHistory:
+    """One job series against its own healthy past: a median/MAD baseline, frozen while a change lasts,
+    restarted from the new level after ``regime_windows`` flagged windows in a row."""
+
+    def __init__(self, size: int):
+        self.values: deque[float] = deque(maxlen=size)
+        self.in_change = 0
+
+    def baseline(self) -> tuple[float, float]:
+        return _median_scale(self.values)
+
+    def settle(self, x: float, flagged: bool, regime_windows: int) -> tuple[bool, bool]:
+        """Learn ``x`` unless it is part of a change; (still flagged, a new regime was accepted)."""
+        if not flagged:
+            self.in_change = 0
+            self.values.append(x)
+            return False, False
+        self.in_change += 1
+        if self.in_change <= regime_windows:
+            return True, False
+        self.values.clear()
+        self.values.append(x)
+        self.in_change = 0
+        return False, True
 
 
 class _JobRateState:
     def __init__(self, history: int, ph_threshold: float):
-        self.history: deque[float] = deque(maxlen=history)
-        self.ph = PageHinkley(min_instances=5, delta=0.01, threshold=ph_threshold)
-        self.in_change = 0
+        self.rate = OwnHistory(history)
+        self.ph = new_page_hinkley(ph_threshold)
+        self.ofu = OwnHistory(history)
+
+
+def new_page_hinkley(threshold: float) -> PageHinkley:
+    return PageHinkley(min_instances=5, delta=0.01, threshold=threshold)
 
 
 class JobRates:
     def __init__(self, warmup: int = 10, z_enter: float = 6.0, z_exit: float = 3.0, history: int = 60,
-                 regime_windows: int = 20, ph_threshold: float = 0.5):
+                 regime_windows: int = 20, ph_threshold: float = 0.5, ofu_min_drop: float = 0.2):
         self.warmup = warmup
         self.z_enter = z_enter
         self.z_exit = z_exit
         self.history_len = history
         self.regime_windows = regime_windows
         self.ph_threshold = ph_threshold
+        self.ofu_min_drop = ofu_min_drop
         self.jobs: dict[tuple[str, str], _JobRateState] = {}
         self.newest: dict[tuple[str, str], int] = {}
-        self.counts = {"windows": 0, "flagged": 0, "drifts": 0, "regimes": 0}
+        self.counts = {"windows": 0, "flagged": 0, "drifts": 0, "regimes": 0, "ofu_windows": 0, "ofu_flagged": 0}
 
     def forget(self, job: tuple[str, str]) -> None:
         self.jobs.pop(job, None)
@@ -76,43 +119,69 @@ class JobRates:
 
     def step(self, job: tuple[str, str], start_ns: int,
              vectors: Sequence[Mapping[str, float]]) -> JobRateResult | None:
-        """Judge one job step; None when it carries no collective rate (or is late or replayed)."""
+        """Judge one job step; None when it carries neither a collective rate nor the job's OFU (or is late
+        or replayed)."""
         if start_ns <= self.newest.get(job, -1):
             return None
         self.newest[job] = start_ns
         name, rate = job_rate(vectors)
-        if name is None or rate <= 0:
+        ofu = job_ofu(vectors)
+        if (name is None or rate <= 0) and ofu is None:
             return None
         st = self.jobs.setdefault(job, _JobRateState(self.history_len, self.ph_threshold))
+        features: dict[str, float] = {}
+        flagged = ofu_flagged = False
+        if name is not None and rate > 0:
+            flagged = self._judge_rate(st, rate, features)
+        else:
+            name = None
+        if ofu is not None:
+            ofu_flagged = self._judge_ofu(st, ofu, features)
+        return JobRateResult(flagged, features, name, ofu_flagged)
+
+    def _judge_rate(self, st: _JobRateState, rate: float, features: dict) -> bool:
         self.counts["windows"] += 1
-        if len(st.history) < self.warmup:
-            st.history.append(rate)
+        features["job_collective_rate"] = rate
+        if len(st.rate.values) < self.warmup:
+            st.rate.values.append(rate)
             st.ph.update(1.0)
-            return JobRateResult(False, {"job_collective_rate": rate}, name)
-        base, scale = _median_scale(st.history)
+            return False
+        base, scale = st.rate.baseline()
         z = (rate - base) / scale
         st.ph.update(rate / base)
         drift = st.ph.drift_detected
         self.counts["drifts"] += drift
-        if st.in_change:
+        if st.rate.in_change:
             flagged = abs(z) >= self.z_exit
         else:
             flagged = abs(z) >= self.z_enter or (drift and abs(z) >= self.z_exit)
-        if flagged:
-            st.in_change += 1
-            if st.in_change > self.regime_windows:   # the job's new normal: relearn from here
-                st.history.clear()
-                st.history.append(rate)
-                st.ph = PageHinkley(min_instances=5, delta=0.01, threshold=self.ph_threshold)
-                st.in_change = 0
-                flagged = False
-                self.counts["regimes"] += 1
-        else:
-            st.in_change = 0
-            st.history.append(rate)
+        flagged, regime = st.rate.settle(rate, flagged, self.regime_windows)
+        if regime:   # the job's new normal: relearn from here
+            st.ph = new_page_hinkley(self.ph_threshold)
+            self.counts["regimes"] += 1
         self.counts["flagged"] += flagged
-        return JobRateResult(flagged, {"job_collective_rate": rate, "job_rate_z": z,
-                                       "job_iteration_time_ratio": base / rate}, name)
+        features.update(job_rate_z=z, job_iteration_time_ratio=base / rate)
+        return flagged
+
+    def _judge_ofu(self, st: _JobRateState, ofu: float, features: dict) -> bool:
+        """Only a fall is a regression: more tensor work per busy second is not a fault."""
+        self.counts["ofu_windows"] += 1
+        if len(st.ofu.values) < self.warmup:
+            st.ofu.values.append(ofu)
+            return False
+        base, scale = st.ofu.baseline()
+        if base <= 0:   # a job that did no tensor work has no OFU to lose
+            st.ofu.values.append(ofu)
+            return False
+        z = (ofu - base) / scale
+        ratio = ofu / base
+        low = ratio <= 1 - self.ofu_min_drop
+        flagged = low and z <= -(self.z_exit if st.ofu.in_change else self.z_enter)
+        flagged, regime = st.ofu.settle(ofu, flagged, self.regime_windows)
+        self.counts["regimes"] += regime
+        self.counts["ofu_flagged"] += flagged
+        features["job_ofu_ratio"] = ratio
+        return flagged
 
 
 def job_rate(vectors: Sequence[Mapping[str, float]]) -> tuple[str | None, float]:
@@ -122,6 +191,15 @@ def job_rate(vectors: Sequence[Mapping[str, float]]) -> tuple[str | None, float]
         if values and 2 * len(values) >= len(vectors):
             return name, _median(values)
     return None, 0.0
+
+
+def job_ofu(vectors: Sequence[Mapping[str, float]]) -> float | None:
+    """The step's job OFU (the same on every rank's joined vector: job_gpu_means), None without GPM."""
+    for v in vectors:
+        x = v.get(OFU_FEATURE)
+        if x is not None and math.isfinite(float(x)):
+            return float(x)
+    return None
 
 
 def _median_scale(values) -> tuple[float, float]:
