@@ -3,7 +3,8 @@
 The host sampler sees the node as a whole; this one sees the processes of
 distributed jobs. Per target process, every tick, it reads
 
-- /proc/<pid>/stat: utime+stime, minflt, majflt, num_threads, rss;
+- /proc/<pid>/stat: utime+stime, minflt, majflt, num_threads, rss, and the
+  CPU the process (its main thread) last ran on (field 39);
 - /proc/<pid>/status: voluntary and involuntary context switches;
 - /proc/<pid>/io: read_bytes, write_bytes (the storage layer's bytes).
 
@@ -24,7 +25,10 @@ twice per window), whatever the agent's tick: they cost ~0.3 ms per process (ben
 Counters go out as deltas since the previous read of that process (interval_ns
 = elapsed ns); the first read of a process publishes only the gauges. Rows
 carry device `pid<N>` so that a rank's processes stay separate series and the
-window can sum them.
+window can sum them. The last CPU is the exception: row ``proc.last_cpu``,
+device ``cpu<N>``, value N (a gauge), so that a window keeps every CPU the
+rank was seen on, not only the last; the worker compares them with where the
+node's interrupts land (streams/irq_features.py, irq_rank_cpu_share).
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ class Reading(NamedTuple):
     io: tuple[float, float] | None  # read_bytes, write_bytes; None when /proc/<pid>/io is denied
     rss_bytes: float
     threads: float
+    last_cpu: int  # the CPU the main thread last ran on (field 39 of stat)
 
 
 def read_file(path: str) -> bytes:
@@ -80,8 +85,8 @@ def read_file(path: str) -> bytes:
         os.close(fd)
 
 
-def parse_stat(raw: bytes) -> tuple[int, float, float, float, float, float]:
-    """(starttime, cpu_ns, minflt, majflt, threads, rss_pages) of a /proc/<pid>/stat line.
+def parse_stat(raw: bytes) -> tuple[int, float, float, float, float, float, int]:
+    """(starttime, cpu_ns, minflt, majflt, threads, rss_pages, last_cpu) of a /proc/<pid>/stat line.
 
     comm may hold spaces and ')', so the fields are split after the last ')'.
     Raises Vanished for a zombie or dead process."""
@@ -89,9 +94,9 @@ def parse_stat(raw: bytes) -> tuple[int, float, float, float, float, float]:
     if fields[0] in (b"Z", b"X"):
         raise Vanished
     # fields[0] is field 3 of proc(5): minflt 10, majflt 12, utime 14, stime 15, num_threads 20,
-    # starttime 22, rss 24
+    # starttime 22, rss 24, processor 39
     return (int(fields[19]), (int(fields[11]) + int(fields[12])) * NS_PER_TICK, float(fields[7]),
-            float(fields[9]), float(fields[17]), float(fields[21]))
+            float(fields[9]), float(fields[17]), float(fields[21]), int(fields[36]))
 
 
 def parse_keyed(raw: bytes, keys: tuple[bytes, ...]) -> list[float]:
@@ -187,7 +192,8 @@ class ProcessSampler:
             self._prev[pid] = (now_ns, reading)
             dev = f"pid{pid}"
             rows += [("proc.rss_bytes", dev, reading.rss_bytes, pid, 0, 1.0),
-                     ("proc.threads", dev, reading.threads, pid, 0, 1.0)]
+                     ("proc.threads", dev, reading.threads, pid, 0, 1.0),
+                     ("proc.last_cpu", f"cpu{reading.last_cpu}", float(reading.last_cpu), pid, 0, 1.0)]
             interval = now_ns - prev[0] if prev is not None else 0
             if interval <= 0:
                 continue  # first read: gauges only
@@ -204,14 +210,14 @@ class ProcessSampler:
         """One process's counters and gauges. Raises Vanished once it is gone."""
         base = f"{self.proc_root}/{pid}/"
         try:
-            starttime, cpu_ns, minflt, majflt, threads, rss_pages = parse_stat(read_file(base + "stat"))
+            starttime, cpu_ns, minflt, majflt, threads, rss_pages, last_cpu = parse_stat(read_file(base + "stat"))
             vol, invol = parse_keyed(read_file(base + "status"), _STATUS_KEYS)
         except OSError as e:
             if e.errno in _GONE:
                 raise Vanished from None
             raise
         return Reading(starttime, (cpu_ns, minflt, majflt, vol, invol), self._read_io(pid, base),
-                       rss_pages * PAGE_SIZE, threads)
+                       rss_pages * PAGE_SIZE, threads, last_cpu)
 
     def _read_io(self, pid: int, base: str) -> tuple[float, float] | None:
         if pid in self._io_denied:

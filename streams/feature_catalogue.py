@@ -65,9 +65,13 @@ LOUD_FEATURES = frozenset(("rank_vanished", "collective_stalled", "gpu_ecc_new_e
 # joined vectors), added by the scorer to every rank's evidence: the job's OFU, for comparing a job with
 # its own history (job_ofu_ratio).
 JOB_GPU_FEATURES = frozenset(("job_gpu_ofu", "job_gpu_tensor_util"))
-PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES
+# Computed at the join from the rank's window and its node's (streams/rank_context.py, irq_features.py):
+# the rank's CPUs' share of the node's device interrupts; peer z'd like JOINED_FEATURES.
+RANK_JOIN_FEATURES = frozenset(("irq_rank_cpu_share",))
+PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
 JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio", "job_ofu_ratio"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.
 DRIFT_FEATURES = frozenset(("cuda_mem_growth_bytes_per_s", "proc_rss_growth_bytes_per_s"))
-ALL_FEATURES = RANK_FEATURES | NODE_FEATURES | LOUD_FEATURES | JOB_GPU_FEATURES | JOB_FEATURES | DRIFT_FEATURES
+ALL_FEATURES = (RANK_FEATURES | NODE_FEATURES | RANK_JOIN_FEATURES | LOUD_FEATURES | JOB_GPU_FEATURES | JOB_FEATURES
+                | DRIFT_FEATURES)

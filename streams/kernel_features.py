@@ -39,7 +39,7 @@ def kernel_features(w: Window) -> dict[str, float]:
 def irq_max_cpu_share(w: Window) -> float | None:
     """The busiest CPU's share of the hard IRQs the kernel tracer counted per CPU (devices cpu<N>, on
     the node's window): near 1 when one CPU takes the node's interrupts, 1/ncpu when they are spread.
-    Which CPUs a rank runs on is not reported (see irq_locality_miss.yaml), so this is the node's."""
+    This is the node's; the share on a rank's own CPUs is irq_rank_cpu_share (streams/irq_features.py)."""
     counts = [a.delta_sum for a in w.devices("kernel", "kernel.irq_count")
               if a.interval_ns > 0 and a.device.startswith("cpu")]
     total = sum(counts)

@@ -6,7 +6,9 @@ and joined into each of that host's rank windows of the same start, as
 evidence for diagnosis and the loud-failure checks. A rank's own GPU is the
 device label of its NVML process rows (``gpu<N>``); when it is known, the
 node-wide GPU features are replaced by that GPU's, so an Xid on GPU 0 is not
-blamed on the rank of GPU 1. A node with one GPU needs no label.
+blamed on the rank of GPU 1. A node with one GPU needs no label. The node's
+interrupts per CPU are kept too, and each rank gets the share that landed on
+the CPUs it ran on (``irq_rank_cpu_share``, streams/irq_features.py).
 
 The joined features are not model inputs (host features in the model flagged
 whole jobs whenever a host got busy); their peer z-scores across the job's
@@ -19,8 +21,9 @@ import math
 from collections import OrderedDict
 from typing import Mapping, Sequence
 
-from fleetscope.streams.feature_catalogue import JOINED_FEATURES
+from fleetscope.streams.feature_catalogue import JOINED_FEATURES, RANK_JOIN_FEATURES
 from fleetscope.streams.gpu_features import DEVICE_GAUGES, FAULT_FEATURES, gpu_device_features
+from fleetscope.streams.irq_features import irq_max_cpu_share, irq_rank_cpu_share, node_irqs_per_cpu, rank_cpus
 from fleetscope.streams.windows import Window
 
 NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
@@ -48,15 +51,18 @@ class RankContext:
         self.capacity = capacity
         self.node: OrderedDict[tuple[str, int], dict] = OrderedDict()
         self.gpus: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+        self.irqs: dict[tuple[str, int], dict[int, float]] = {}
         self.misses = 0
 
     def remember(self, w: Window, vector: dict) -> None:
         key = (w.key[2], w.start_ns)
         self.node[key] = vector
         self.gpus[key] = gpu_device_features(w)
+        self.irqs[key] = node_irqs_per_cpu(w)
         while len(self.node) > self.capacity:
             old, _ = self.node.popitem(last=False)
             self.gpus.pop(old, None)
+            self.irqs.pop(old, None)
 
     def joined(self, w: Window) -> dict[str, float] | None:
         """The node's features with the rank's own GPU's in place of the node-wide ones; None when the
@@ -66,13 +72,14 @@ class RankContext:
         if node is None:
             self.misses += 1
             return None
+        out = {**node, **self._irq_shares(key, w)}
         devices = self.gpus.get(key, {})
         own = [devices[g] for g in rank_gpus(w) if g in devices]
         if not own and len(devices) == 1:
             own = list(devices.values())
         if not own:
-            return dict(node)
-        out = {k: v for k, v in node.items() if k not in PER_GPU}
+            return out
+        out = {k: v for k, v in out.items() if k not in PER_GPU}
         for name in PER_GPU:
             values = [d[name] for d in own if name in d]
             if values:
@@ -81,11 +88,26 @@ class RankContext:
         return out
 
 
+    def _irq_shares(self, key: tuple[str, int], w: Window) -> dict[str, float]:
+        """The rank's CPUs' share of the node's interrupts; the busiest CPU's share from the host rows
+        when the kernel tracer (which gives it on the node's window) does not run."""
+        irqs = self.irqs.get(key, {})
+        out = {}
+        share = irq_rank_cpu_share(irqs, rank_cpus(w))
+        if share is not None:
+            out["irq_rank_cpu_share"] = share
+        if "irq_max_cpu_share" not in self.node[key]:
+            busiest = irq_max_cpu_share(irqs)
+            if busiest is not None:
+                out["irq_max_cpu_share"] = busiest
+        return out
+
+
 def joined_peer_z(vectors: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
     """Robust z of each joined feature against the step's ranks: (x - median) / max(1.4826 MAD, 2% of
     |median|); features seen on fewer than MIN_PEERS ranks get none."""
     out: list[dict[str, float]] = [{} for _ in vectors]
-    for name in JOINED_FEATURES:
+    for name in JOINED_FEATURES | RANK_JOIN_FEATURES:
         rows = [(i, float(v[name])) for i, v in enumerate(vectors)
                 if name in v and math.isfinite(float(v[name]))]
         if len(rows) < MIN_PEERS:

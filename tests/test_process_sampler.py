@@ -119,7 +119,9 @@ def test_counters_of_a_cpu_burner_and_a_page_toucher(children):
     c1_after = cpu_clock_ns(burner.pid)
     validate(first)
     for pid in (burner.pid, toucher.pid):  # first read: gauges only
-        assert set(of_pid(first, pid)) == {"proc.rss_bytes", "proc.threads"}
+        assert set(of_pid(first, pid)) == {"proc.rss_bytes", "proc.threads", "proc.last_cpu"}
+        last = of_pid(first, pid)["proc.last_cpu"]   # the CPU it ran on: device cpu<N>, value N
+        assert last["device"] == f"cpu{int(last['value'])}" and int(last["value"]) in os.sched_getaffinity(pid)
     until_cpu_advances((burner.pid, toucher.pid), 0.2e9)
     c2 = cpu_clock_ns(burner.pid)
     t2 = time.time_ns()
@@ -139,8 +141,9 @@ def test_counters_of_a_cpu_burner_and_a_page_toucher(children):
     assert burn["proc.rss_bytes"]["interval_ns"] == 0 and burn["proc.rss_bytes"]["value"] > 1 << 20
     assert burn["proc.threads"]["value"] == 1
     # identity as the resolver sees it; a process's rows are its own series
-    assert {(r["tenant"], r["job"], r["rank"], r["device"]) for r in burn.values()} == \
+    assert {(r["tenant"], r["job"], r["rank"], r["device"]) for m, r in burn.items() if m != "proc.last_cpu"} == \
         {("default", burn["proc.cpu_ns"]["job"], 0, f"pid{burner.pid}")}
+    assert burn["proc.last_cpu"]["rank"] == 0 and burn["proc.last_cpu"]["device"].startswith("cpu")
     assert touch["proc.cpu_ns"]["rank"] == 1 and touch["proc.cpu_ns"]["job"] == burn["proc.cpu_ns"]["job"]
     assert s.stats()["proc_read_errors"] == 0
 
@@ -212,7 +215,7 @@ def test_comm_with_spaces_and_parentheses(children):
     weird = children(RENAME, rank=0, ready=lambda pid: _comm(pid) == WEIRD_COMM)
     raw = read_file(f"/proc/{weird.pid}/stat")
     assert f"({WEIRD_COMM})".encode() in raw
-    starttime, _, _, _, threads, rss_pages = parse_stat(raw)
+    starttime, _, _, _, threads, rss_pages, _ = parse_stat(raw)
     status = read_file(f"/proc/{weird.pid}/status").decode()
     assert threads == int(status.split("Threads:")[1].split()[0])
     assert rss_pages * os.sysconf("SC_PAGE_SIZE") == pytest.approx(
@@ -248,7 +251,7 @@ def test_without_root_io_denied_is_counted_once_and_the_rest_published(children)
     os.waitpid(child, 0)
     assert got["stats"]["proc_io_denied"] == 1 and got["stats"]["proc_read_errors"] == 0
     assert got["metrics"] == sorted(["proc.cpu_ns", "proc.minflt", "proc.majflt", "proc.vol_ctx", "proc.invol_ctx",
-                                     "proc.rss_bytes", "proc.threads"])
+                                     "proc.rss_bytes", "proc.threads", "proc.last_cpu"])
 
 
 def test_features_from_real_samples_through_windows(children):

@@ -57,12 +57,15 @@ CASES: dict[str, tuple[list, list]] = {
         [({"numa_miss_ratio": 0.04}, {"numa_miss_ratio": 5}),            # relative jump, tiny absolute
          ({"numa_miss_ratio": 0.15}, {"numa_miss_ratio": 0.3})],         # mild, host-wide, below 0.3
     ),
-    "irq_locality_miss": (    # no rank -> CPU mapping is reported: the node's IRQ concentration and the
-        # rank being the one preempted (see the entry's comment)
-        [({"irq_max_cpu_share": 0.8, "cpu_softirq_frac": 0.12},
-          {"offcpu_threads": 4, "proc_invol_ctx_per_s": 5, "irq_max_cpu_share": 3})],
+    "irq_locality_miss": (
+        [({"irq_max_cpu_share": 0.8, "cpu_softirq_frac": 0.12},      # no last-CPU rows: concentration + preemption
+          {"offcpu_threads": 4, "proc_invol_ctx_per_s": 5, "irq_max_cpu_share": 3}),
+         ({"irq_max_cpu_share": 0.9, "irq_rank_cpu_share": 0.9},      # the IRQs land on this rank's CPUs
+          {"irq_rank_cpu_share": 6, "offcpu_threads": 1})],
         [({"irq_max_cpu_share": 0.2, "cpu_softirq_frac": 0.1}, {"offcpu_threads": 4}),   # IRQs spread out
-         ({"irq_max_cpu_share": 0.8}, {"offcpu_threads": 0.5})],   # concentrated, but no rank pays for it
+         ({"irq_max_cpu_share": 0.8}, {"offcpu_threads": 0.5}),   # concentrated, but no rank pays for it
+         ({"irq_max_cpu_share": 0.8, "irq_rank_cpu_share": 0.1},  # concentrated on CPUs this rank does not use
+          {"offcpu_threads": 4})],
     ),
     "huge_page_coverage_loss": (
         [({"thp_coverage_frac": 0.1, "page_faults_per_s": 80000}, {"thp_coverage_frac": -7, "page_faults_per_s": 5})],
