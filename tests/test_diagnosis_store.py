@@ -135,6 +135,45 @@ def test_cli_diagnose_prints_ranked_evidence(cfg, capsys):
     assert "no diagnoses for job other-job" in capsys.readouterr().out
 
 
+def _flag(s, rank: int, role: str, windows: int, host: str = "node-a", first: int = 0) -> None:
+    """Anomaly rows as the scorer stores them (streams/scoring.py _store_anomalies), one per window from
+    ``first`` windows ago backwards (a rank-window has one role: the table keeps one row per window)."""
+    import numpy as np
+    starts = [NOW_NS - (first + k) * 1_000_000_000 for k in range(windows)]
+    n = len(starts)
+    s.insert("anomalies", {
+        "tenant": ["acme"] * n, "job": ["train-1"] * n, "host": [host] * n,
+        "rank": np.full(n, rank, dtype=np.int32), "window_start": np.array(starts, dtype=np.int64),
+        "score": np.full(n, 40.0), "threshold": np.full(n, 25.0), "detectors": [["gmm"]] * n, "role": [role] * n,
+        "contributions": [{"cpu_steal_frac": 3.0}] * n, "peer_z": [{}] * n, "feature": [{"cpu_steal_frac": 0.15}] * n,
+        "emitted_at": np.full(n, NOW_NS, dtype=np.int64)}, dedupe_token=f"anomalies-{rank}-{role}")
+
+
+def test_cli_diagnose_json_names_the_culprit_and_every_flagged_ranks_role(cfg, capsys):
+    """The JSON keeps its rows and keys (one per KB entry) and adds the job's culprits and every flagged
+    rank's role, waiting ones too (they are stored, never diagnosed)."""
+    import json
+
+    from fleetscope.cli.kb import cmd_diagnose
+    with ChdbStore(cfg.data_dir / "chdb") as s:
+        _flag(s, 3, "culprit", 4)
+        _flag(s, 4, "waiting", 3)
+        _flag(s, 4, "culprit", 1, first=5)
+        _flag(s, 5, "waiting", 4, host="node-b")
+    assert cmd_diagnose(_args("diagnose", "--job", "train-1", "--format", "json"), cfg) == 0
+    rows = json.loads(capsys.readouterr().out)
+    cpu = next(r for r in rows if r["kb_entry"] == "cpu_contention_noisy_neighbour")
+    assert {"kb_entry", "windows", "ranks", "rank_list", "max_confidence", "best_evidence"} <= set(cpu)
+    assert cpu["culprit_ranks"] == [3, 4]
+    assert cpu["rank_roles"] == {"3": ["culprit"], "4": ["waiting", "culprit"]}   # most windows first
+    assert cpu["flagged_ranks"] == [
+        {"rank": 3, "host": "node-a", "role": "culprit", "windows": 4},
+        {"rank": 4, "host": "node-a", "role": "waiting", "windows": 3},
+        {"rank": 4, "host": "node-a", "role": "culprit", "windows": 1},
+        {"rank": 5, "host": "node-b", "role": "waiting", "windows": 4}]
+    assert all(r["culprit_ranks"] == [3, 4] and r["flagged_ranks"] == cpu["flagged_ranks"] for r in rows)
+
+
 def test_cli_remediate_dry_run_by_default_and_logged(cfg, capsys):
     from fleetscope.cli.kb import cmd_remediate
     ex = RecordingExecutor()

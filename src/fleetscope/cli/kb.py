@@ -172,16 +172,31 @@ def roles_lines(roles: list[dict]) -> list[str]:
     return lines
 
 
+def with_roles(rows: list[dict], roles: list[dict]) -> list[dict]:
+    """The JSON rows (one per KB entry, keys unchanged) with the job's culprits and roles added to each:
+    ``culprit_ranks`` (the job's, over the span), ``rank_roles`` (each of this entry's ranks: its roles,
+    most windows first) and ``flagged_ranks`` (every flagged rank of the job, waiting ones too, with
+    host, role and windows)."""
+    culprits = sorted({r["rank"] for r in roles if r["role"] == "culprit"})
+    by_rank: dict[int, list[str]] = {}
+    for r in roles:   # ordered by rank, then windows, most first
+        by_rank.setdefault(r["rank"], []).append(r["role"])
+    flagged = [{"rank": r["rank"], "host": r["host"], "role": r["role"], "windows": r["windows"]} for r in roles]
+    return [{**row, "culprit_ranks": culprits,
+             "rank_roles": {str(rank): by_rank.get(rank, []) for rank in row["rank_list"]},
+             "flagged_ranks": flagged} for row in rows]
+
+
 def cmd_diagnose(args, cfg) -> int:
     since_ms = parse_since(args.since)
     store = _open_store(cfg)
     try:
         rows = diagnose_summary(store, args.job, since_ms, args.tenant, args.limit)
-        roles = flagged_roles(store, args.job, since_ms, args.tenant) if args.format != "json" else []
+        roles = flagged_roles(store, args.job, since_ms, args.tenant)
     finally:
         store.close()
     if args.format == "json":
-        print(json.dumps(rows, default=str, indent=1))
+        print(json.dumps(with_roles(rows, roles), default=str, indent=1))
         return 0
     if not rows:
         print(f"no diagnoses for job {args.job} since {_iso(since_ms)}")
