@@ -192,7 +192,7 @@ class StreamProcessor:
         model = None
         if st.model_b64:
             try:
-                model = JobModel.from_bytes(base64.b64decode(st.model_b64))
+                model = JobModel.from_bytes(base64.b64decode(st.model_b64), self.scorer.parts(tenant, job))
                 self.scorer.stats.restored_models += 1
                 log.info("restored the model of %s/%s from <prefix>.model-state", tenant, job)
             except Exception:  # an unreadable or untrusted checkpoint: start afresh, visibly

@@ -12,7 +12,8 @@ Runs on the flush thread, after the step's feature rows are stored:
   slowdown or OFU fall that no minority of culprits explains flags every
   rank of the step, role `job`;
 - one JobModel per (tenant, job) and per node (tenant `_node`, job = host), restored from `model_state` the first time
-  this worker sees the job and checkpointed every `checkpoint_s`;
+  this worker sees the job and checkpointed every `checkpoint_s`, with the job's rate/OFU history and
+  memory-drift series as parts of the same checkpoint (``parts``);
 - every flagged rank-window gets a role (model/roles.py): `culprit`, or
   `waiting` for a peer that only waits on a culprit in collectives;
 - every (rank, window) goes to `scores` and `<prefix>.scores`, with its role;
@@ -114,6 +115,12 @@ class Scorer:
             self.stats.models += 1
         return m
 
+    def parts(self, tenant: str, job: str) -> dict:
+        """The job's detectors outside its model, saved and restored with it (model/checkpoint.py)."""
+        if tenant == NODE_TENANT:
+            return {}
+        return {"job_rate": self.job_rates.part((tenant, job)), "drift": self.drift.part((tenant, job))}
+
     def config_for(self, tenant: str) -> ModelConfig:
         """A node's model has one row per window: a longer warm-up (model/node.py)."""
         return self.node_model_config if tenant == NODE_TENANT else self.model_config
@@ -124,7 +131,7 @@ class Scorer:
         if not res.rows:
             return None
         try:
-            m = JobModel.from_bytes(base64.b64decode(res.rows[0][0]))
+            m = JobModel.from_bytes(base64.b64decode(res.rows[0][0]), self.parts(tenant, job))
         except Exception:  # an unreadable checkpoint (older format): start afresh, visibly
             log.exception("model checkpoint of %s/%s unreadable; relearning", tenant, job)
             return None
@@ -142,7 +149,7 @@ class Scorer:
                 "saved_at": np.full(len(due), wall, dtype=np.int64),
                 "last_window": np.array([max(self.models[k].last_window_ns, 0) // 10**6 * 10**6 for k in due],
                                         dtype=np.int64),
-                "state": [base64.b64encode(self.models[k].to_bytes()).decode() for k in due]}
+                "state": [base64.b64encode(self.models[k].to_bytes(self.parts(*k))).decode() for k in due]}
         self.store.insert("model_state", rows, dedupe_token=token("model_state", [f"{k}@{wall}" for k in due]))
         for k in due:
             self.saved_at[k] = now

@@ -11,6 +11,12 @@ raises CheckpointError, and the caller relearns the job from scratch.
 
 Restoring gives bit-identical state (arrays are stored as they are, floats
 in JSON round-trip exactly), so later scores equal an uninterrupted run.
+
+Parts: the job's detectors that live outside the model (the job-rate and OFU
+history of model/job_rate.py, the memory-drift series of model/drift.py) are
+saved beside it under meta["parts"][name] and arrays "part_<name>/...". Each
+part has ``state() -> (meta, arrays)`` and ``load(meta, arrays)``; a loader
+that is not given a saved part skips it (StateArrays.discard).
 """
 from __future__ import annotations
 
@@ -21,13 +27,20 @@ from fleetscope.streams.model.config import ModelConfig
 from fleetscope.streams.model.state_archive import MAGIC, CheckpointError
 
 __all__ = ["MAGIC", "CheckpointError", "dump", "load"]
-FORMAT_VERSION = 3   # 2: HalfSpaceTrees as arrays (1 held river's trees as a pickle: never read again);
-#                      3: every detector's state under "det_<name>/", the model's own under "model"
+FORMAT_VERSION = 4   # 2: HalfSpaceTrees as arrays (1 held river's trees as a pickle: never read again);
+#                      3: every detector's state under "det_<name>/", the model's own under "model";
+#                      4: the job's other detectors as parts (3 is still read: it has none, they relearn)
+READABLE = (3, 4)
 
 
-def dump(model) -> bytes:
+def dump(model, parts=None) -> bytes:
     meta, arrays = model.state()
-    return state_archive.write({"format": FORMAT_VERSION, "config": asdict(model.config), "model": meta}, arrays)
+    saved = {}
+    for name, part in (parts or {}).items():
+        saved[name], a = part.state()
+        arrays.update({f"part_{name}/{k}": v for k, v in a.items()})
+    return state_archive.write({"format": FORMAT_VERSION, "config": asdict(model.config), "model": meta,
+                                "parts": saved}, arrays)
 
 
 def config_from(doc) -> ModelConfig:
@@ -59,13 +72,23 @@ def config_from(doc) -> ModelConfig:
         raise CheckpointError(f"checkpoint config: {exc}") from None
 
 
-def load(blob: bytes, model_class):
-    """The model saved in ``blob``, built with ``model_class(config)``; raises CheckpointError."""
+def load(blob: bytes, model_class, parts=None):
+    """The model saved in ``blob``, built with ``model_class(config)``, and each of ``parts`` restored
+    from its saved state where the checkpoint has it (else it relearns); raises CheckpointError."""
     meta, arrays = state_archive.read(blob)
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in READABLE:
         raise CheckpointError(f"checkpoint format {meta.get('format')!r} is not supported "
-                              f"(this code reads {FORMAT_VERSION}); the job's model relearns")
+                              f"(this code reads {READABLE}); the job's model relearns")
     model = model_class(config_from(meta.get("config")))
     model.load(arrays.mapping(meta, "model"), arrays)
+    saved = arrays.mapping(meta, "parts") if meta["format"] >= 4 else {}
+    parts = parts or {}
+    for name in saved:
+        if not isinstance(name, str) or not name.isidentifier():
+            arrays.fail(f"parts: {name!r} is not a part name")
+        if name in parts:
+            parts[name].load(saved[name], arrays.part(f"part_{name}"))
+        else:
+            arrays.part(f"part_{name}").discard()
     arrays.check_all_taken()
     return model

@@ -15,7 +15,13 @@ must also exceed ``min_growth`` bytes over the span (allocator noise is not a
 leak). While a rank drifts, the job model learns nothing from it and its
 thresholds do not move (streams/model/job_model.py ``hold``).
 
-Not checkpointed: a restarted worker watches again from scratch.
+Checkpointed with the job's model (a checkpoint part, model/checkpoint.py):
+each series' last ``span`` levels and whether it is in a change are saved
+exactly. ADWIN's own state (river's, in Rust) cannot be read out, so its last
+``REPLAY`` levels are saved and replayed into a fresh ADWIN on restore: the
+restored detector holds those levels, not an older part of a longer window,
+so a change building up over more than REPLAY windows before the restart is
+seen later than it would have been.
 """
 from __future__ import annotations
 
@@ -24,10 +30,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 from river.drift import ADWIN
 
 DRIFT_FEATURES = (("cuda_mem_live_bytes", "cuda_mem_growth_bytes_per_s"),
                   ("proc_rss_bytes", "proc_rss_growth_bytes_per_s"))
+DRIFT_NAMES = tuple(name for name, _ in DRIFT_FEATURES)
+REPLAY = 64    # levels kept per series to rebuild its ADWIN after a restart
 
 
 @dataclass
@@ -39,8 +48,26 @@ class DriftFlag:
 class _Series:
     def __init__(self, span: int):
         self.values: deque[tuple[float, float]] = deque(maxlen=span)   # (seconds, value)
-        self.adwin = ADWIN(delta=0.002, grace_period=5, min_window_length=3, clock=1)
+        self.adwin = new_adwin()
+        self.recent: deque[float] = deque(maxlen=REPLAY)   # what ADWIN was fed last: replayed on restore
         self.changed = False    # ADWIN saw a change and the level is still growing
+
+
+def new_adwin() -> ADWIN:
+    return ADWIN(delta=0.002, grace_period=5, min_window_length=3, clock=1)
+
+
+class DriftPart:
+    """One job's series of MemoryDrift, as a checkpoint part (model/checkpoint.py)."""
+
+    def __init__(self, drift: "MemoryDrift", job: tuple[str, str]):
+        self.drift, self.job = drift, job
+
+    def state(self):
+        return self.drift.state(self.job)
+
+    def load(self, meta, arrays) -> None:
+        self.drift.load(self.job, meta, arrays)
 
 
 class MemoryDrift:
@@ -52,6 +79,50 @@ class MemoryDrift:
         self.capacity = capacity
         self.series: dict[tuple, _Series] = {}
         self.counts = {"changes": 0, "drifting_rows": 0}
+
+    def part(self, job: tuple[str, str]) -> DriftPart:
+        return DriftPart(self, job)
+
+    def state(self, job: tuple[str, str]) -> tuple[dict, dict[str, np.ndarray]]:
+        """The job's series: hosts in the meta, everything else as arrays, one row per series."""
+        keys = [k for k in self.series if k[:2] == job]
+        rows = [self.series[k] for k in keys]
+        meta = {"hosts": [k[2] for k in keys]}
+        n = len(keys)
+        values = np.full((n, self.span, 2), np.nan)
+        recent = np.full((n, REPLAY), np.nan)
+        for i, s in enumerate(rows):
+            if s.values:
+                values[i, :len(s.values)] = np.array(s.values)
+            recent[i, :len(s.recent)] = np.array(s.recent)
+        return meta, {"rank": np.array([k[3] for k in keys], dtype=np.int64),
+                      "feature": np.array([DRIFT_NAMES.index(k[4]) for k in keys], dtype=np.int64),
+                      "changed": np.array([s.changed for s in rows], dtype=np.bool_),
+                      "values": values, "recent": recent}
+
+    def load(self, job: tuple[str, str], meta: dict, arrays) -> None:
+        hosts = meta.get("hosts") if isinstance(meta, dict) else None
+        if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
+            arrays.fail("hosts: not a list of host names")
+        n = len(hosts)
+        ranks = arrays.take("rank", "i8", (n,))
+        features = arrays.take("feature", "i8", (n,))
+        changed = arrays.take("changed", "b1", (n,))
+        values = arrays.take("values", "f8", (n, self.span, 2))
+        recent = arrays.take("recent", "f8", (n, REPLAY))
+        if ((features < 0) | (features >= len(DRIFT_NAMES))).any():
+            arrays.fail("feature: an index outside the drift features")
+        for k in [k for k in self.series if k[:2] == job]:
+            del self.series[k]
+        for i, host in enumerate(hosts):
+            s = _Series(self.span)
+            kept = values[i][~np.isnan(values[i]).any(axis=1)]
+            s.values.extend((float(t), float(x)) for t, x in kept)
+            for x in recent[i][~np.isnan(recent[i])].tolist():
+                s.adwin.update(x)
+                s.recent.append(x)
+            s.changed = bool(changed[i])
+            self.series[(*job, host, int(ranks[i]), DRIFT_NAMES[int(features[i])])] = s
 
     def step(self, job: tuple[str, str], start_ns: int, members: Sequence[tuple[str, int]],
              vectors: Sequence[Mapping[str, float]]) -> list[DriftFlag]:
@@ -80,6 +151,7 @@ class MemoryDrift:
         if s.values and t <= s.values[-1][0]:
             return None            # a late or replayed window
         s.values.append((t, x))
+        s.recent.append(x)
         s.adwin.update(x)
         if s.adwin.drift_detected and not s.changed:
             s.changed = True

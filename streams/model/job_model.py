@@ -241,10 +241,12 @@ class JobModel:
         self.admission.load(arrays.mapping(meta, "admission"), arrays.part("admission"), dim)
         self.scaler.load(arrays.part("scaler"), dim)
 
-    def to_bytes(self) -> bytes:
-        return checkpoint.dump(self)
+    def to_bytes(self, parts=None) -> bytes:
+        """The model, and ``parts`` (name -> the job's detectors outside it: checkpoint.py) beside it."""
+        return checkpoint.dump(self, parts)
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "JobModel":
-        """The model saved by to_bytes; raises checkpoint.CheckpointError (one line) on any fault."""
-        return checkpoint.load(blob, cls)
+    def from_bytes(cls, blob: bytes, parts=None) -> "JobModel":
+        """The model saved by to_bytes (``parts`` restored in place where saved); raises
+        checkpoint.CheckpointError (one line) on any fault."""
+        return checkpoint.load(blob, cls, parts)

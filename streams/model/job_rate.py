@@ -35,9 +35,9 @@ fall of ``z_enter`` robust deviations that is also at least ``ofu_min_drop``
 of the baseline flags the step (the seed's 2.5x OFU regression); a rise is
 not a regression. Windows without GPM (no OFU) are left out.
 
-Checkpointed with the job's model (``state``/``load``: plain numbers, river's
-Page-Hinkley reduced to its running sums); a restarted worker goes on with
-the same baselines and change counters.
+Checkpointed with the job's model (``state``/``load``, a checkpoint part:
+plain numbers, river's Page-Hinkley reduced to its six running numbers); a
+restarted worker goes on with the same baselines, change counters and sums.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 from river.drift import PageHinkley
 
 RATE_FEATURES = ("nccl_calls_per_s", "torch_comm_waits_per_s")
@@ -99,6 +100,45 @@ def new_page_hinkley(threshold: float) -> PageHinkley:
     return PageHinkley(min_instances=5, delta=0.01, threshold=threshold)
 
 
+# Page-Hinkley's state is six numbers (river 0.26: its running mean and the two cumulative sums with their
+# extremes); saved as numbers, restored into a fresh detector, so a checkpoint holds no river object.
+_PH_FIELDS = ("n", "mean", "sum_increase", "sum_decrease", "min_increase", "max_decrease")
+
+
+def page_hinkley_state(ph: PageHinkley) -> dict:
+    values = (ph._x_mean.n, ph._x_mean._mean, ph._sum_increase, ph._sum_decrease, ph._min_increase,
+              ph._max_decrease)
+    # JSON has no infinity: min_increase starts at +inf
+    return {**{k: (None if math.isinf(v) else float(v)) for k, v in zip(_PH_FIELDS, values)},
+            "drift": bool(ph.drift_detected)}
+
+
+def restore_page_hinkley(doc, threshold: float, arrays) -> PageHinkley:
+    ph = new_page_hinkley(threshold)
+    values = [arrays.number(doc, k, allow_none=(k == "min_increase")) for k in _PH_FIELDS]
+    if values[0] < 0 or values[0] != int(values[0]):
+        arrays.fail(f"ph.n: {values[0]!r} is not a count")
+    ph._x_mean.n, ph._x_mean._mean = float(values[0]), float(values[1])
+    ph._sum_increase, ph._sum_decrease = float(values[2]), float(values[3])
+    ph._min_increase = math.inf if values[4] is None else float(values[4])
+    ph._max_decrease = float(values[5])
+    ph._drift_detected = arrays.flag(doc, "drift")
+    return ph
+
+
+class JobRatePart:
+    """One job's part of JobRates, as a checkpoint part (model/checkpoint.py)."""
+
+    def __init__(self, rates: "JobRates", job: tuple[str, str]):
+        self.rates, self.job = rates, job
+
+    def state(self):
+        return self.rates.state(self.job)
+
+    def load(self, meta, arrays) -> None:
+        self.rates.load(self.job, meta, arrays)
+
+
 class JobRates:
     def __init__(self, warmup: int = 10, z_enter: float = 6.0, z_exit: float = 3.0, history: int = 60,
                  regime_windows: int = 20, ph_threshold: float = 0.5, ofu_min_drop: float = 0.2):
@@ -112,6 +152,37 @@ class JobRates:
         self.jobs: dict[tuple[str, str], _JobRateState] = {}
         self.newest: dict[tuple[str, str], int] = {}
         self.counts = {"windows": 0, "flagged": 0, "drifts": 0, "regimes": 0, "ofu_windows": 0, "ofu_flagged": 0}
+
+    def part(self, job: tuple[str, str]) -> JobRatePart:
+        return JobRatePart(self, job)
+
+    def state(self, job: tuple[str, str]) -> tuple[dict, dict[str, np.ndarray]]:
+        """The job's histories, change counters and Page-Hinkley sums: plain numbers and arrays."""
+        st = self.jobs.get(job)
+        meta = {"newest": self.newest.get(job, -1), "known": st is not None}
+        if st is None:
+            return meta, {}
+        meta.update(rate_in_change=st.rate.in_change, ofu_in_change=st.ofu.in_change, ph=page_hinkley_state(st.ph))
+        return meta, {"rate_history": np.array(st.rate.values, dtype=np.float64),
+                      "ofu_history": np.array(st.ofu.values, dtype=np.float64)}
+
+    def load(self, job: tuple[str, str], meta: dict, arrays) -> None:
+        newest = meta.get("newest") if isinstance(meta, dict) else None
+        if type(newest) is not int or not -1 <= newest < 1 << 63:
+            arrays.fail(f"newest: {newest!r} is not a window start in ns")
+        if not arrays.flag(meta, "known"):
+            self.forget(job)
+            return
+        st = _JobRateState(self.history_len, self.ph_threshold)
+        for name, hist in (("rate", st.rate), ("ofu", st.ofu)):
+            values = arrays.take(f"{name}_history", "f8", (None,))
+            if len(values) > self.history_len or not np.isfinite(values).all():
+                arrays.fail(f"{name}_history: {len(values)} values, at most {self.history_len} finite ones")
+            hist.values.extend(values.tolist())
+            hist.in_change = arrays.count(meta, f"{name}_in_change", 1 << 31)
+        st.ph = restore_page_hinkley(meta.get("ph"), self.ph_threshold, arrays)
+        self.jobs[job] = st
+        self.newest[job] = newest
 
     def forget(self, job: tuple[str, str]) -> None:
         self.jobs.pop(job, None)

@@ -134,6 +134,11 @@ class StateArrays:
     def part(self, name: str) -> "StateArrays":
         return StateArrays(self._arrays, f"{self.prefix}{name}/", self._taken)
 
+    def discard(self) -> None:
+        """Mark every array of this part read: a part the loader was not asked to restore (a tool that
+        reads only the model) is skipped on purpose, not refused as unknown."""
+        self._taken.update(k for k in self._arrays if k.startswith(self.prefix))
+
     def check_all_taken(self) -> None:
         """Every array was read by some part: an entry this code does not know is an error, not ignored."""
         extra = sorted(set(self._arrays) - self._taken)
