@@ -37,17 +37,22 @@ SOURCE_COLUMNS: dict[str, dict] = {
 TRACED_SOURCES = ("cuda", "nccl", "python", "torch", "python_sampler")
 SAMPLE_FRAC = {"sample_frac": np.dtype("<f8")}
 SOURCE_COLUMNS.update({src: {**IDENTITY_COLUMNS, **METRIC_COLUMNS, **SAMPLE_FRAC} for src in TRACED_SOURCES})
+# Columns any source may carry, which the worker and the sink read when present: typed like the required
+# ones, so a mistyped one is refused once, at decode, instead of failing later in the worker and the sink.
+OPTIONAL_COLUMNS = {**SAMPLE_FRAC}
 
 
 def validate(batch: Batch) -> None:
-    """Raise WireError unless the batch has its source's columns, typed right."""
+    """Raise WireError unless the batch has its source's columns, and those and any optional ones typed right."""
     spec = SOURCE_COLUMNS.get(batch.source)
     if spec is None:
         raise WireError(f"unknown source {batch.source!r}; known: {sorted(SOURCE_COLUMNS)}")
-    for name, kind in spec.items():
+    for name, kind in {**OPTIONAL_COLUMNS, **spec}.items():
         col = batch.columns.get(name)
         if col is None:
-            raise WireError(f"{batch.source} batch lacks column {name!r}")
+            if name in spec:
+                raise WireError(f"{batch.source} batch lacks column {name!r}")
+            continue
         if kind == STR:
             if not isinstance(col, StrColumn):
                 raise WireError(f"{batch.source} column {name!r} must be a string column")

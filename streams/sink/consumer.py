@@ -3,6 +3,9 @@
 Any number of sinks share one consumer group. Each poll's records become
 inserts (writer.py); the offsets are committed only once every insert of the
 poll is done, so a crash replays into the dedupe instead of losing.
+A poll's offsets are written ahead (poll_plan.py): a sink killed between
+storing and committing replays exactly that poll first, grouped the same,
+so its inserts carry the same dedupe tokens and the store drops the copy.
 Backpressure: while the store is down, the sink pauses its partitions and
 retries the same inserts every STORE_RETRY_S, holding one poll in memory at
 most (`sink_poll_records`); errors are logged once per period with a count.
@@ -12,9 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from fleetscope.topics import RAW_SOURCES
 from fleetscope.streams.outage_log import OutageLog
+from fleetscope.streams.sink.poll_plan import PollPlan
 from fleetscope.streams.sink.tables import Record
 from fleetscope.streams.sink.writer import TopicWriter, run_all
 from fleetscope.streams.store_writes import StoreUnavailable
@@ -22,6 +27,8 @@ from fleetscope.streams.store_writes import StoreUnavailable
 log = logging.getLogger(__name__)
 STORE_RETRY_S = 1.0
 POLL_RECORDS = 5000
+REPLAY_WAIT_S = 30.0  # how long a restarted sink waits for its planned records before it goes on without
+PLAN_FILE = "sink-poll-plan.json"
 
 
 def sink_topics(cfg) -> list[str]:
@@ -30,7 +37,8 @@ def sink_topics(cfg) -> list[str]:
 
 
 class Sink:
-    def __init__(self, cfg, store, consumer, producer=None, clock=time.monotonic, poll_records: int = POLL_RECORDS):
+    def __init__(self, cfg, store, consumer, producer=None, clock=time.monotonic, poll_records: int = POLL_RECORDS,
+                 plan_path: Path | None = None):
         self.cfg = cfg
         self.store = store
         self.consumer = consumer
@@ -43,23 +51,28 @@ class Sink:
         self.commits = 0
         self._pending = None  # (inserts, records, offsets) of the poll being stored
         self._last_try = 0.0
+        self.plan = PollPlan(plan_path if plan_path is not None else
+                             (Path(cfg.data_dir) / PLAN_FILE if cfg.data_dir else None))
+        self._replay = self.plan.load()  # the poll a killed sink stored but did not commit, if any
+        self._replay_records: list[Record] = []
+        self._replay_deadline: float | None = None
+        self._carry: list[Record] = []  # taken from Kafka while replaying, beyond the plan: the next poll's
+        self.replayed_polls = 0
 
     def on_assign(self, consumer, partitions) -> None:
         self.writer.forget_replays()
 
     def step(self, timeout_s: float = 0.2) -> None:
         if self._pending is None:
-            msgs = self.consumer.consume(self.poll_records, timeout_s)
-            records, offsets = [], {}
-            for m in msgs:
-                if m.error() is not None:
-                    continue
-                ts = m.timestamp()
-                records.append(Record(m.topic(), m.partition(), m.offset(), int(ts[1]) if ts and ts[0] else 0,
-                                      m.key(), m.value(), m.headers() or []))
-                offsets[(m.topic(), m.partition())] = m.offset() + 1
+            records = self._take(timeout_s)
             if not records:
                 return
+            # the same records in the same order make the same inserts and tokens, however Kafka interleaved them
+            records.sort(key=lambda r: (r.topic, r.partition, r.offset))
+            offsets = {}
+            for r in records:
+                offsets[(r.topic, r.partition)] = max(offsets.get((r.topic, r.partition), 0), r.offset + 1)
+            self.plan.write(records)
             try:
                 inserts = self.writer.inserts(records)
             except StoreUnavailable as exc:
@@ -87,11 +100,56 @@ class Sink:
             self._pause(exc)
             return
         self._commit(offsets)
+        self.plan.clear()
         self._pending = None
         if self.paused:
             self.consumer.resume(self.consumer.assignment())
             self.paused = False
         self.outage.recovered()
+
+    def _take(self, timeout_s: float) -> list[Record]:
+        """The next poll: after a restart, the planned records alone; then the carried and new ones."""
+        fresh = [self._record(m) for m in self.consumer.consume(self.poll_records, timeout_s) if m.error() is None]
+        if not self._replay:
+            records, self._carry = self._carry + fresh, []
+            return records
+        if self._replay_deadline is None:
+            self._replay_deadline = self.clock() + REPLAY_WAIT_S
+            self._drop_committed_ranges()
+        for r in fresh:
+            span = self._replay.get((r.topic, r.partition))
+            (self._replay_records if span and span[0] <= r.offset <= span[1] else self._carry).append(r)
+        seen = {}
+        for r in self._replay_records + self._carry:
+            seen[(r.topic, r.partition)] = max(seen.get((r.topic, r.partition), -1), r.offset)
+        complete = all(seen.get(tp, -1) >= last for tp, (_, last) in self._replay.items())
+        if not complete and self.clock() < self._replay_deadline:
+            return []
+        if not complete:
+            log.warning("replaying the interrupted poll without all its records after %.0f s (a partition moved "
+                        "or its records are gone); rows stored before the kill may show twice until a merge",
+                        REPLAY_WAIT_S)
+        records, self._replay_records, self._replay = self._replay_records, [], {}
+        self.replayed_polls += 1
+        return records
+
+    def _drop_committed_ranges(self) -> None:
+        """Planned partitions whose commit went through (the kill came after it) are not replayed."""
+        from confluent_kafka import TopicPartition
+        try:
+            committed = self.consumer.committed([TopicPartition(t, p) for t, p in self._replay], timeout=5.0)
+        except Exception:  # no answer: wait for the planned records (bounded by REPLAY_WAIT_S)
+            return
+        for tp in committed:
+            span = self._replay.get((tp.topic, tp.partition))
+            if span is not None and tp.offset > span[1]:
+                del self._replay[(tp.topic, tp.partition)]
+
+    @staticmethod
+    def _record(m) -> Record:
+        ts = m.timestamp()
+        return Record(m.topic(), m.partition(), m.offset(), int(ts[1]) if ts and ts[0] else 0,
+                      m.key(), m.value(), m.headers() or [])
 
     def _pause(self, exc) -> None:
         self.outage.failed(exc)
@@ -124,6 +182,6 @@ class Sink:
     def snapshot(self) -> dict:
         from dataclasses import asdict
         return {**{f"sink_{k}": v for k, v in asdict(self.writer.stats).items()}, "sink_paused": self.paused,
-                "sink_commits": self.commits,
+                "sink_commits": self.commits, "sink_replayed_polls": self.replayed_polls,
                 "sink_store_down_s": (self.clock() - self.outage.down_since if self.outage.down_since is not None
                                       else 0.0)}
