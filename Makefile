@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install up demo test bench bench-codec bench-pipeline bench-sampler bench-probes bench-torch \
-        bench-ddp-overhead bench-model bench-scoring bench-scenarios
+        bench-ddp-overhead bench-model bench-scoring bench-scenarios chaos
 
 install:
 	bash install.sh
@@ -48,3 +48,10 @@ bench-scoring:
 
 bench-scenarios:
 	$(VENV)/bin/fleetscope bench scenario benchmarks/scenarios/dev benchmarks/scenarios/test --repeats 3 --out benchmarks/results
+
+# 20-40 minutes: the chaos suite's long form (30 s broker pause, 60 s store outage, 10 worker kills, 3 sink
+# kills, a worker joining and leaving, 10^5 malformed messages) against the real embedded stack;
+# its short form runs with `make test`. Writes benchmarks/results/chaos.json, failed cases included.
+chaos:
+	rm -f benchmarks/results/chaos.json
+	FLEETSCOPE_CHAOS=long FLEETSCOPE_CHAOS_OUT=benchmarks/results/chaos.json $(VENV)/bin/pytest -q tests/test_chaos.py

@@ -251,6 +251,36 @@ class EmbeddedStack:
             raise StackError(f"the sink is already running (pid {self.sink.pid})")
         return self.start_sink(timeout_s)
 
+    def add_worker(self, timeout_s: float = 120.0) -> int:
+        """Start one more worker in the group (a scale-out); returns its index."""
+        self.workers.append(self._new_worker(len(self.workers)))
+        self.start_worker(len(self.workers) - 1, timeout_s)
+        return len(self.workers) - 1
+
+    def retire_worker(self, i: int) -> None:
+        """Stop a worker as an operator scales in (SIGTERM: it publishes what it holds and leaves the group)."""
+        w = self.workers[i]
+        w.killed = True  # on purpose: not a death check() reports
+        w.stop()
+
+    def _pid_of(self, part: str) -> int:
+        if part == "broker":
+            if self.broker is None or self.broker.pid is None:
+                raise StackError("this stack did not start the broker (cfg.kafka names one)")
+            return self.broker.pid
+        child = self.sink if part == "sink" else self.workers[int(part.removeprefix("worker "))]
+        if child is None or not child.alive():
+            raise StackError(f"the {part} is not running")
+        return child.pid
+
+    def pause(self, part: str) -> None:
+        """SIGSTOP "broker", "sink" or "worker <i>": frozen with its sockets open, as a hung host or a partition
+        (tansu keeps its topics in memory, so a stopped-and-restarted broker would lose them: pause, not restart)."""
+        os.kill(self._pid_of(part), signal.SIGSTOP)
+
+    def resume(self, part: str) -> None:
+        os.kill(self._pid_of(part), signal.SIGCONT)
+
     # -- looking at it -------------------------------------------------------------------------------------
 
     def check(self) -> None:
