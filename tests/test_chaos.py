@@ -132,10 +132,11 @@ def measure(stack: EmbeddedStack, feed: Feed) -> dict:
     prefix = {"p": feed.hosts[0][:-2]}
     q = lambda sql: stack.query(sql, prefix).rows  # noqa: E731
     where = "WHERE tenant = '_node' AND startsWith(job, {p:String})"
-    feat = Counter({(j, w): n for j, w, n in q(f"SELECT job, toUnixTimestamp64Milli(window_start), count() FROM features "
-                                               f"{where} GROUP BY job, window_start")})
-    scores = Counter({(j, w): n for j, w, n in q(f"SELECT job, toUnixTimestamp64Milli(window_start), count() FROM scores "
-                                                 f"{where} GROUP BY job, window_start")})
+
+    def per_window(table: str) -> Counter:
+        sql = f"SELECT job, toUnixTimestamp64Milli(window_start) AS w, count() FROM {table} {where} GROUP BY job, w"
+        return Counter({(j, w): n for j, w, n in q(sql)})
+    feat, scores = per_window("features"), per_window("scores")
     dlq_rows, dlq_messages, no_reason = q("SELECT count(), uniqExact(topic, partition, offset), countIf(reason = '') "
                                           "FROM dlq")[0]
     reasons = Counter({r: n for r, n in q("SELECT substring(reason, 1, 48) AS r, count() FROM dlq GROUP BY r")})

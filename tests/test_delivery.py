@@ -375,7 +375,8 @@ def test_a_sink_killed_between_storing_and_committing_replays_into_the_dedupe(st
 
     def publish(windows):
         for k in windows:
-            producer.produce(cfg.topic("features"), key=f"_node/{host}".encode(), value=feature_message(host, T0 + k * SEC))
+            producer.produce(cfg.topic("features"), key=f"_node/{host}".encode(),
+                             value=feature_message(host, T0 + k * SEC))
         assert producer.flush(10) == 0
 
     def sink(poll_records):

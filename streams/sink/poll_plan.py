@@ -48,7 +48,8 @@ class PollPlan:
         if self.path is None or not self.path.exists():
             return {}
         try:
-            return {(str(t), int(p)): (int(first), int(last)) for t, p, first, last in json.loads(self.path.read_text())}
+            doc = json.loads(self.path.read_text())
+            return {(str(t), int(p)): (int(first), int(last)) for t, p, first, last in doc}
         except (OSError, ValueError, TypeError) as exc:  # unreadable: replays then regroup (duplicates until a merge)
             log.warning("the sink's poll plan %s is unreadable (%s); replaying without it", self.path, exc)
             return {}
