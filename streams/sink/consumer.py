@@ -99,7 +99,13 @@ class Sink:
         except StoreUnavailable as exc:
             self._pause(exc)
             return
-        self._commit(offsets)
+        try:
+            self._commit(offsets)
+        except Exception as exc:  # the group moved on (a rebalance, or this sink frozen past its session)
+            log.warning("committing the stored poll failed (%s); it will be replayed as planned and the store "
+                        "drops the copy", exc)
+            self._pending, self._replay, self._replay_deadline = None, self.plan.load(), None
+            return
         self.plan.clear()
         self._pending = None
         if self.paused:
