@@ -158,7 +158,9 @@ def test_without_resolver_rows_carry_node_identity(children, tracer_factory):
     tracer = tracer_factory(pids=[p.pid])
     time.sleep(0.3)
     got = [r for r in rows(tracer.sample()) if r["pid"] == p.pid]
-    assert {r["metric"] for r in got} == {"kernel.offcpu_ns", "kernel.ctx_switches"}
+    # a sleeper's wake-up waits for a CPU on a loaded machine, so its run-queue wait may be there too
+    assert {"kernel.offcpu_ns", "kernel.ctx_switches"} <= {r["metric"] for r in got} <= \
+        {"kernel.offcpu_ns", "kernel.ctx_switches", "kernel.runq_wait_ns"}
     for r in got:
         assert (r["tenant"], r["job"], r["rank"], r["gpu"], r["device"]) == (NODE_TENANT, "node-a", -1, -1, f"pid{p.pid}")
 

@@ -113,7 +113,10 @@ def test_detail_records_of_a_traced_stand_in_become_calls_with_the_workloads_dur
     for api, floor_us in (("cudaStreamSynchronize", 2000.0), ("cudaDeviceSynchronize", 300.0)):
         durs = [e["dur"] for e in events if e["ph"] == "X" and e["args"]["api"] == api]
         assert len(durs) == iters, api
-        assert all(floor_us <= d < floor_us + 50_000 for d in durs), (api, durs)  # 50 ms: a loaded machine
+        # every call lasts at least the stand-in's sleep; a loaded machine can wake a sleeper tens of ms late,
+        # so the bound above is on the median, which one late wake-up cannot move
+        assert all(floor_us <= d for d in durs), (api, durs)
+        assert sorted(durs)[len(durs) // 2] < floor_us + 50_000, (api, durs)
     assert {e["pid"] for e in events if e["ph"] == "X"} == {3}
     tids = {e["tid"] for e in events if e["ph"] == "X"}
     assert tids and {(3, t) for t in tids} <= {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"}

@@ -107,6 +107,7 @@ def parse_raw(text: str, prefixes: tuple[str, ...] = ()) -> tuple[int, Counter, 
 class PythonSampler:
     SOURCE = "python_sampler"
     FAMILIES = {"stacks": "always"}  # no probe hits: the traced process is never stopped
+    RETURN_PROBES: dict[str, str] = {}  # it places no probes at all: py-spy reads the process's memory
 
     def __init__(self, host: str, resolver=None, rate_hz: int = 49, window_s: int = 5, top_n: int = 20,
                  prefixes: tuple[str, ...] = ()):
