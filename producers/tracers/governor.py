@@ -8,8 +8,9 @@ would slow the job it watches by whole multiples. So each period the governor:
 1. measures the traced processes' CPU time over the last period;
 2. charges the always-on families (collectives, memcpy, malloc/free, sync,
    GC) their hits × the per-hit cost. They stay on while they fit the budget
-   together. When they alone exceed it, the most expensive of them are shed
-   (detached) until the rest fit: each family's cost is kept as a share of
+   together. When they alone exceed it for `shed_after` periods in a row
+   (a sustained overrun, not a burst such as a process's start-up), the
+   most expensive of them are shed (detached) until the rest fit: each family's cost is kept as a share of
    the traced CPU time, measured while it was attached, and families are
    shed from the largest share down. A shed family is retried (attached for
    one period, re-measured) every `shed_periods` periods, so a burst does
@@ -51,6 +52,7 @@ class FamilyState:
     on_s: float = 0.0  # attached time in the period being measured (reported, not used for control)
     cost_frac: float = 0.0  # always-on: its cost per traced CPU second, last measured while attached
     shed_for: int = 0  # always-on: periods it has been shed (0: attached)
+    retrying: bool = False  # always-on: attached again after a shed, its overrun already proven
 
 
 @dataclass
@@ -65,7 +67,8 @@ class GovernorDecision:
 
 class OverheadGovernor:
     def __init__(self, budget_frac: float = 0.01, hit_cost_ns: float = 6000.0, min_duty: float = 0.005,
-                 first_duty: float = 0.02, bucket_periods: float = 2.0, shed_periods: int = 10):
+                 first_duty: float = 0.02, bucket_periods: float = 2.0, shed_periods: int = 10,
+                 shed_after: int = 2):
         if not 0 < budget_frac <= 0.5:
             raise ValueError("budget_frac must lie in (0, 0.5]")
         self.budget_frac = budget_frac
@@ -74,6 +77,8 @@ class OverheadGovernor:
         self.first_duty = first_duty  # an unmeasured expensive family starts here, not at 1
         self.bucket_periods = bucket_periods  # savings cap, in periods' shares
         self.shed_periods = shed_periods  # a shed always-on family is retried after this many periods
+        self.shed_after = shed_after  # periods in a row the always-on families exceed the budget before a shed
+        self.over_periods = 0
         self.families: dict[tuple[str, str], FamilyState] = {}
 
     def register(self, tracer: str, family: str, kind: str) -> float:
@@ -118,9 +123,14 @@ class OverheadGovernor:
         """Duties of the always-on families (1, or 0 when shed); returns the cost the attached ones are
         expected to take of the coming period (their last measured shares of this period's CPU time)."""
         always = {k: st for k, st in self.families.items() if st.kind == ALWAYS}
-        for key, st in always.items():
-            if st.shed_for == 0 and cpu_s > 0:  # attached the whole period: a fresh measurement
-                st.cost_frac = costs[key] / cpu_s
+        measured = [k for k, st in always.items() if st.shed_for == 0]
+        for key in measured:
+            if cpu_s > 0:  # attached the whole period: a fresh measurement
+                always[key].cost_frac = costs[key] / cpu_s
+        if cpu_s > 0:
+            over = sum(costs[k] for k in measured) > self.budget_frac * cpu_s
+            self.over_periods = self.over_periods + 1 if over else 0
+        sustained = self.over_periods >= self.shed_after
         retried = {k for k, st in always.items() if st.shed_for >= self.shed_periods}  # attached to re-measure
         kept = {k for k, st in always.items() if st.shed_for == 0}
         for key in sorted((k for k in always if k not in kept | retried), key=lambda k: always[k].cost_frac):
@@ -129,7 +139,12 @@ class OverheadGovernor:
         for key in sorted(kept, key=lambda k: -always[k].cost_frac):  # the most expensive go first
             if sum(always[k].cost_frac for k in kept) <= self.budget_frac:
                 break
-            kept.discard(key)
+            if sustained or always[key].retrying:
+                kept.discard(key)
+        for key in kept:
+            always[key].retrying = False   # measured a whole period and kept
+        for key in retried:
+            always[key].retrying = True
         kept |= retried
         for key, st in always.items():
             st.shed_for = 0 if key in kept else st.shed_for + 1

@@ -104,6 +104,10 @@ class TracerManager:
                     stamps[pid] = library_stamp(pid)
                 if pid in waiting and waiting[pid] == stamps[pid]:
                     continue  # no library mapped since the last attempt
+                if pid not in self._cpu_prev:
+                    # its CPU counts from its attach on, as its hits do: counted from the period's end only,
+                    # a rank attached mid-period made its hits look many times the budget (the governor)
+                    self._cpu_prev[pid] = process_cpu_seconds([pid])
                 ok = self._call(name, tracer.add_pid, pid)
                 if ok is FAILED:  # it raised (logged); not retried
                     continue
