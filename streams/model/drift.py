@@ -12,7 +12,17 @@ rank is then flagged (detector ``drift``) with the growth rate,
 ``cuda_mem_growth_bytes_per_s`` or ``proc_rss_growth_bytes_per_s`` (least
 squares over the span), for as long as the level keeps growing. The growth
 must also exceed ``min_growth`` bytes over the span (allocator noise is not a
-leak). While a rank drifts, the job model learns nothing from it and its
+leak), and have gone on for ``min_duration_s`` seconds (at short windows a
+span of 8 is a few seconds: a burst of allocation is not a leak).
+
+Start-up is not a leak: a process that starts grows its RSS while it imports
+and builds its model (torch's warm-up: measured on the CI gloo job, RSS grew
+in most of its first windows and ranks 1 and 2 were flagged drifting). Each
+series' first ``warmup`` levels (the job model's warm-up, counted per rank so
+a rank that joins late or restarts gets its own) are not judged: ADWIN sees
+them (a change it finds there drops the start-up from its window, and a flat
+reference after the start-up lets it see a leak as soon as before) but a
+change found in them is not a drift. While a rank drifts, the job model learns nothing from it and its
 thresholds do not move (streams/model/job_model.py ``hold``).
 
 Checkpointed with the job's model (a checkpoint part, model/checkpoint.py):
@@ -51,6 +61,8 @@ class _Series:
         self.adwin = new_adwin()
         self.recent: deque[float] = deque(maxlen=REPLAY)   # what ADWIN was fed last: replayed on restore
         self.changed = False    # ADWIN saw a change and the level is still growing
+        self.seen = 0           # levels observed, start-up included
+        self.growing_since: float | None = None   # the span's start when it first read as a drift
 
 
 def new_adwin() -> ADWIN:
@@ -72,8 +84,10 @@ class DriftPart:
 
 class MemoryDrift:
     def __init__(self, span: int = 8, grow_share: float = 0.75, min_growth: float = 8 * 2**20,
-                 capacity: int = 100_000):
+                 capacity: int = 100_000, warmup: int = 30, min_duration_s: float = 5.0):
         self.span = span
+        self.warmup = warmup                  # levels of each series skipped: the process's start-up
+        self.min_duration_s = min_duration_s  # a drift grows at least this long before it is flagged
         self.grow_share = grow_share
         self.min_growth = min_growth
         self.capacity = capacity
@@ -116,6 +130,8 @@ class MemoryDrift:
             del self.series[k]
         for i, host in enumerate(hosts):
             s = _Series(self.span)
+            # restored: past the warm-up if it had been (not saved: judged by the levels it held)
+            s.seen = self.warmup if (~np.isnan(recent[i])).sum() >= min(self.warmup, REPLAY) else 0
             kept = values[i][~np.isnan(values[i]).any(axis=1)]
             s.values.extend((float(t), float(x)) for t, x in kept)
             for x in recent[i][~np.isnan(recent[i])].tolist():
@@ -150,9 +166,14 @@ class MemoryDrift:
             s = self.series[key] = _Series(self.span)
         if s.values and t <= s.values[-1][0]:
             return None            # a late or replayed window
-        s.values.append((t, x))
+        s.seen += 1
         s.recent.append(x)
         s.adwin.update(x)
+        if s.seen <= self.warmup:   # start-up growth: ADWIN's changes in it are not judged (it sheds them)
+            s.values.clear()
+            s.values.append((t, x))
+            return None
+        s.values.append((t, x))
         if s.adwin.drift_detected and not s.changed:
             s.changed = True
             self.counts["changes"] += 1
@@ -162,7 +183,12 @@ class MemoryDrift:
         ups = sum(b > a for a, b in zip(xs, xs[1:]))
         if ups < self.grow_share * (len(xs) - 1) or xs[-1] - xs[0] < self.min_growth:
             s.changed = ups >= self.grow_share * (len(xs) - 1)   # a step: done; a slowing drift: still watched
+            s.growing_since = None
             return None
+        if s.growing_since is None:
+            s.growing_since = s.values[0][0]
+        if t - s.growing_since < self.min_duration_s:
+            return None            # not yet sustained
         return _slope(s.values)
 
 

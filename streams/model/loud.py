@@ -8,18 +8,32 @@ GPU, see streams/rank_context.py):
   uncorrected ECC errors or of rows pending/failing remap grew since the
   previous window (``gpu_ecc_new_errors``; the counts are cumulative, so a
   value that merely stays non-zero is not new);
-- ``vanished``: a rank of the previous step sent nothing in this one while
-  others of its job did (a crashed or killed rank); it gets a row of its own
-  with ``rank_vanished`` = 1. The window it died in is the first one missing:
-  that window stays open for late rows, so the step goes on without it once
-  ``step_hold_s`` has passed. A step older than the job's newest (such a
-  window, closed later by ``idle_close_s``) changes no membership;
+- ``vanished``: a rank of the job sent nothing while its peers went on
+  reporting for ``vanish_windows`` steps without it (a crashed or killed
+  rank); it gets a row of its own with ``rank_vanished`` = 1, in the window
+  it died in (the first one missing: that window stays open for late rows, so
+  the step goes on without it once ``step_hold_s`` has passed), alerted once
+  the peers' ``vanish_windows``-th step without it is released. A job that
+  ends normally stops its ranks a moment apart: the last ones report a window
+  or two more, then stop too, so a rank gone while the job itself stops
+  within that grace is not an alarm (measured on the 3-rank gloo CI job:
+  ranks 0 and 1 flagged vanished in its last windows before the grace). A
+  step older than the job's newest (such a window, closed later by
+  ``idle_close_s``) changes no membership;
 - ``hung``: every rank that had been completing collectives (NCCL calls, or
-  gloo waits) for ``history`` windows completed none in this window: the
-  tracers report a call when it returns, so a call stuck in flight reads as
-  silence. The stuck rank cannot be told from the ones it blocks with these
-  features (that needs each rank's stack, or a per-communicator sequence
-  number in the probes), so every rank gets role ``job``.
+  gloo waits) for ``history`` windows completed none for ``hang_windows``
+  steps in a row, while every rank of the job still reports: the tracers
+  report a call when it returns, so a call stuck in flight reads as silence.
+  A job that ends normally goes silent in its collectives for the window or
+  two its ranks take to exit, then its ranks stop reporting: shorter than
+  ``hang_windows``, or with ranks gone, it is not a hang (a rank gone is
+  ``vanished``'s). A gloo rank without ``torch_comm_waits_per_s`` has no
+  collective probes attached this window (the torch tracer sends a measured
+  0 while they are; the governor may detach them): unknown, not silent. The
+  NCCL tracer sends rows only for calls, so its absence stays silence. The
+  stuck rank cannot be told from the ones it blocks with these features
+  (that needs each rank's stack, or a per-communicator sequence number in
+  the probes), so every rank gets role ``job``.
 """
 from __future__ import annotations
 
@@ -40,12 +54,19 @@ class LoudFlag:
     rank: int
     kind: str                  # xid | ecc | vanished | hung
     features: dict[str, float] = field(default_factory=dict)
+    start_ns: int | None = None  # a vanished rank: the window it went silent in (the first one missing)
 
 
 class LoudFailures:
-    def __init__(self, history: int = 3):
+    def __init__(self, history: int = 3, vanish_windows: int = 4, hang_windows: int = 4):
         self.history = history
+        self.vanish_windows = vanish_windows   # peers' steps without a rank before it is vanished
+        self.hang_windows = hang_windows       # silent steps in a row, every rank reporting, before a hang
         self.members: dict[tuple[str, str], set[tuple[str, int]]] = {}
+        # (job) -> {(host, rank): [first missing step start, peers' steps without it]}; -1 once flagged
+        self.missing: dict[tuple[str, str], dict[tuple[str, int], list[int]]] = {}
+        self.silent: dict[tuple[str, str], list[int]] = {}         # the job's silent steps in a row
+        self.gloo: set[tuple[str, str, str, int]] = set()          # ranks whose collectives the torch tracer reports
         self.newest: dict[tuple[str, str], int] = {}               # the job's newest step start
         self.calling: dict[tuple[str, str, str, int], int] = {}   # windows in a row with completed collectives
         self.ecc_seen: dict[tuple[str, int], float] = {}            # (host, rank) -> its GPU's last cumulative count
@@ -66,13 +87,27 @@ class LoudFailures:
             return self._count(flags)
         self.newest[job] = start_ns
         present = set(members)
-        before = self.members.get(job)
-        if before and present:
-            flags += [LoudFlag(None, host, rank, "vanished", {"rank_vanished": 1.0})
-                      for host, rank in sorted(before - present)]
-        self.members[job] = present
+        flags += self._vanished(job, start_ns, present)
         flags += self._hung(job, members, vectors)
         return self._count(flags)
+
+    def _vanished(self, job, start_ns: int, present: set) -> list[LoudFlag]:
+        """Ranks that its peers have gone on without for ``vanish_windows`` steps; each flagged once."""
+        known = self.members.setdefault(job, set())
+        known |= present
+        missing = self.missing.setdefault(job, {})
+        for member in present:
+            missing.pop(member, None)     # back (a late or slow rank): not gone
+        flags = []
+        for member in sorted(known - present):
+            seen = missing.setdefault(member, [start_ns, 0])
+            if seen[1] < 0:
+                continue                  # flagged already
+            seen[1] += 1
+            if seen[1] >= self.vanish_windows:
+                seen[1] = -1
+                flags.append(LoudFlag(None, member[0], member[1], "vanished", {"rank_vanished": 1.0}, seen[0]))
+        return flags
 
     def _count(self, flags: list[LoudFlag]) -> list[LoudFlag]:
         for f in flags:
@@ -91,7 +126,11 @@ class LoudFailures:
         stalled, calling = [], 0
         for i, ((host, rank), v) in enumerate(zip(members, vectors)):
             key = (*job, host, rank)
+            if key in self.gloo and "torch_comm_waits_per_s" not in v and "nccl_calls_per_s" not in v:
+                continue      # its gloo probes are detached this window: unknown, neither calling nor silent
             rates = [_num(v.get(name)) for name in CALL_RATES if name in v]
+            if "torch_comm_waits_per_s" in v:
+                self.gloo.add(key)
             called = any(r > 0 for r in rates)
             if called:
                 self.calling[key] = self.calling.get(key, 0) + 1
@@ -100,7 +139,13 @@ class LoudFailures:
                 stalled.append(i)      # kept its count: the hang lasts until calls return
             else:
                 self.calling.pop(key, None)
-        if not stalled or calling:
+        silent = self.silent.setdefault(job, [0])
+        leaving = any(n >= 0 for _, n in self.missing.get(job, {}).values())
+        if not stalled or calling or leaving:
+            silent[0] = 0   # calls return, or a rank stopped reporting (the job ending, or vanished's to judge)
+            return []
+        silent[0] += 1
+        if silent[0] < self.hang_windows:
             return []
         return [LoudFlag(i, members[i][0], members[i][1], "hung", {"collective_stalled": 1.0}) for i in stalled]
 
