@@ -130,8 +130,10 @@ class MemoryDrift:
             del self.series[k]
         for i, host in enumerate(hosts):
             s = _Series(self.span)
-            # restored: past the warm-up if it had been (not saved: judged by the levels it held)
-            s.seen = self.warmup if (~np.isnan(recent[i])).sum() >= min(self.warmup, REPLAY) else 0
+            # every level is fed to ADWIN, so the levels it held count the series' levels (a full REPLAY: at
+            # least that many, taken as past a warm-up longer than REPLAY too)
+            held = int((~np.isnan(recent[i])).sum())
+            s.seen = held if held < REPLAY else max(held, self.warmup)
             kept = values[i][~np.isnan(values[i]).any(axis=1)]
             s.values.extend((float(t), float(x)) for t, x in kept)
             for x in recent[i][~np.isnan(recent[i])].tolist():
