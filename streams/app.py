@@ -7,6 +7,7 @@ rows and windows are stored, and Faust commits acknowledged offsets only.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -60,6 +61,20 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
     async def flush_idle():
         # closes windows of keys that went quiet, flushes a slow trickle, finishes the flush in flight
         await flusher.maybe_flush()
+
+    @app.on_partitions_revoked.connect
+    async def hand_over(app, revoked, **kwargs):
+        # Partitions leave this worker: their open windows go to the new owner, not out as partial windows
+        # (see StreamProcessor.revoke). Let the flush in flight finish first: it reads the state revoked.
+        processor.hold_flushes(True)
+        try:
+            while processor.flushes_in_flight:
+                if not processor.backlogged():  # backlogged: a maybe_flush in its backpressure loop finishes it
+                    await flusher.maybe_flush()
+                await asyncio.sleep(0.01)
+            processor.revoke(revoked)
+        finally:
+            processor.hold_flushes(False)
 
     return app
 

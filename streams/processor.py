@@ -23,6 +23,14 @@ each job's window marks travel with its model on <prefix>.model-state
 eviction) reads its job's marks from there, and replayed windows at or
 before a mark are acknowledged without being emitted again. Raw batches
 are deduplicated by the sink.
+
+A window is emitted by exactly one owner, with all its events. When the
+group takes partitions away (`revoke`), their keys' open and step-held
+windows are dropped, not flushed: their messages were never acknowledged,
+so the new owner re-reads them from the committed offset, and the marks it
+reads back cover only windows really emitted. The revoked jobs' states and
+models are forgotten, so this worker no longer checkpoints them over the
+new owner's.
 """
 from __future__ import annotations
 
@@ -158,6 +166,9 @@ class StreamProcessor:
         self._skipped: list[MessageRef] = []
         self._waiting: list[FlushJob] = []  # computed, not yet published (or stored, in-process)
         self._last_flush = clock()
+        self.flushes_in_flight = 0  # begun, not finished: a revoke waits for none to be left
+        self._holding_flushes = False  # during a revoke: no flush begins
+        self.revoked_windows = 0  # open windows handed over on a revoke (their events go to the new owner)
         self._last_store_try = -float("inf")
         self._pending_refs: list[MessageRef] = []
         self._last_evict_check = clock()
@@ -276,6 +287,8 @@ class StreamProcessor:
 
     def begin_flush(self, force: bool = False) -> FlushJob | None:
         """Take what is ready (event-loop thread). Waiting jobs ride along, oldest first."""
+        if self._holding_flushes:
+            return None
         now = self.clock()
         self._last_flush = now
         if now - self._last_evict_check >= EVICT_CHECK_S:
@@ -291,6 +304,7 @@ class StreamProcessor:
             return None
         job.earlier = list(self._waiting)
         self._waiting = []
+        self.flushes_in_flight += 1
         return job
 
     def run_flush(self, job: FlushJob) -> bool:
@@ -421,6 +435,7 @@ class StreamProcessor:
 
     def finish_flush(self, job: FlushJob, ok: bool) -> None:
         """Acknowledge what is done (event-loop thread); the rest waits, in order."""
+        self.flushes_in_flight -= 1
         waiting = []
         for j in job.earlier + [job]:
             if waiting or not j.done(self.in_process):  # in order: a done job behind a waiting one waits too
@@ -429,6 +444,64 @@ class StreamProcessor:
             self._acknowledge(j)
         self._waiting = waiting + self._waiting
         self._pending_refs = [r for r in self._pending_refs if not r.acked]
+
+    # ---- rebalances (event-loop thread) --------------------------------------------
+    def hold_flushes(self, hold: bool) -> None:
+        """While held, no flush begins: a revoke waits for the one in flight, then changes state that
+        the flush thread reads."""
+        self._holding_flushes = hold
+
+    def revoke(self, partitions) -> None:
+        """The group took these partitions (Faust TPs or (topic, partition) pairs) away. Call with no
+        flush in flight (hold_flushes, then wait for flushes_in_flight to reach 0).
+
+        Their keys' open windows, and closed ones held for their step, are dropped without being
+        emitted: only their new owner emits them, whole, from the events it re-reads from the committed
+        offset (nothing of theirs was acknowledged). The jobs' marks and models are forgotten: this
+        worker no longer checkpoints them, and reads them back if the partitions return. Jobs already
+        computed (waiting for Kafka) still publish: their windows were closed before the revoke."""
+        tps = {(tp[0], int(tp[1])) for tp in partitions}  # Faust's TP is a (topic, partition) tuple
+        if not tps:
+            return
+        dropped, keys = self.windows.revoke(tps)
+        held = []
+        for step, ws in list(self.steps.pending.items()):
+            mine = [w for w in ws if w.key in keys]
+            if not mine:
+                continue
+            held += mine
+            rest = [w for w in ws if w.key not in keys]
+            if rest:
+                self.steps.pending[step] = rest
+            else:
+                del self.steps.pending[step]
+                del self.steps.first_seen[step]
+        jobs = {k[:2] for k in keys}
+        for job in jobs:
+            self.steps.members.pop(job, None)
+        with self._states_lock:
+            for job in jobs:
+                self._job_states.pop(job, None)
+                self.states.forget(*job)
+        if self.scorer is not None:
+            for job in jobs:
+                self.scorer.models.pop(job, None)
+                self.scorer.saved_at.pop(job, None)
+                self._job_scored_at.pop(job, None)
+        # their messages are the new owner's now: never acknowledged here (a commit of them would be
+        # refused, or, if the partition came back, would skip events not yet in a window)
+        for ref in self._pending_refs:
+            if (ref.topic, ref.partition) in tps:
+                ref.acked = True
+        self._pending_refs = [r for r in self._pending_refs if not r.acked]
+        handed = [d for d in self._dead if (d[0].topic, d[0].partition) in tps]
+        if handed:  # the new owner reads them again and dead-letters them itself
+            self._dead = [d for d in self._dead if (d[0].topic, d[0].partition) not in tps]
+            self.stats.dlq -= len(handed)
+        self.seen = SeenBatches()  # their batches come again, and must be windowed again
+        self.revoked_windows += len(dropped) + len(held)
+        log.info("partitions revoked: handed over %d open windows of %d keys (%d jobs) to their new owner",
+                 len(dropped) + len(held), len(keys), len(jobs))
 
     def _acknowledge(self, job: FlushJob) -> None:
         self.stats.flushes += 1
@@ -463,7 +536,7 @@ class StreamProcessor:
         if self.scorer is not None:
             s.update({f"model_{k}": v for k, v in asdict(self.scorer.stats).items()})
         s.update(open_windows=len(self.windows.open), waiting_windows=self.steps.waiting_windows(),
-                 late_events=ws.late_events, replayed_events=ws.replayed_events,
+                 late_events=ws.late_events, revoked_windows=self.revoked_windows, replayed_events=ws.replayed_events,
                  unacked_messages=len(self._pending_refs), unstored_jobs=len(self._waiting),
                  keys=len(self.windows.keys), evicted_keys=ws.evicted_keys, evicted_models=self.evicted_models,
                  store_down_s=(self.clock() - self.store_outage.down_since

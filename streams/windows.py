@@ -18,7 +18,7 @@ Each window remembers which messages fed it, so a message is acknowledged
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
@@ -99,6 +99,7 @@ class _KeyState:
     stored_upto: int | None = None  # newest window start the store had at first sight; None: not known yet
     last_seen: float = 0.0
     ask_store_at: float = 0.0  # when to ask for stored_upto again, after the store did not answer
+    partitions: set = field(default_factory=set)  # (topic, partition) that fed this key: whose owner it follows
 
 
 class RowLog:
@@ -202,6 +203,20 @@ class WindowAssembler:
         self.stats.evicted_keys += len(gone)
         return gone
 
+    def revoke(self, partitions: set) -> tuple[list[Window], set[StreamKey]]:
+        """Hand over the keys fed by these (topic, partition)s: their open windows are dropped, never
+        emitted (the new owner re-reads their events from the committed offset and emits them whole),
+        and the keys are forgotten, so if one comes back its mark is read again. Returns the dropped
+        windows and the keys."""
+        keys = {k for k, st in self.keys.items() if st.partitions & partitions}
+        keys |= {k for (k, _), w in self.open.items()
+                 if any((m.topic, m.partition) in partitions for m in w.messages)}
+        dropped = [self.open.pop(ks) for ks in [ks for ks in self.open if ks[0] in keys]]
+        self._aggregate(dropped, remove=True)  # drops their rows from the log
+        for k in keys:
+            self.keys.pop(k, None)
+        return dropped, keys
+
     def add(self, batch: Batch, message_ref) -> list[Window]:
         """Take a decoded metric batch in. Returns the windows it touched."""
         cols = batch.columns
@@ -220,10 +235,12 @@ class WindowAssembler:
         touched = []
         now = self.clock()
         slots, key_ids, counts = [], [], []
+        fed_by = (getattr(message_ref, "topic", None), getattr(message_ref, "partition", None))
         for (t, j, r, w, count, max_ts) in groups:
             key = (tenant.values[t], job.values[j], batch.host, r)
             state = self._state(key)
             state.last_seen = now
+            state.partitions.add(fed_by)
             if max_ts > state.max_ts:
                 state.max_ts = max_ts
             start = w * self.window_ns

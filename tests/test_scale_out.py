@@ -2,6 +2,7 @@
 (the launcher's stack): a known number of events in, exactly those rows out, every window once."""
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -92,4 +93,73 @@ def test_two_workers_and_one_sink_store_every_event_and_each_window_once(pipelin
     assert [k for k, n in stored.items() if n != 1] == [], "a window stored twice"
     published = features_on_topic(broker.bootstrap, pipeline_cfg.topic("features"), pipeline_cfg.partitions, set(hosts))
     assert set(published) == expected
+    assert [k for k, n in published.items() if n != 1] == [], "a window published by both workers"
+
+
+def test_a_worker_joining_and_leaving_mid_window_hands_every_window_over_whole(pipeline_cfg, embedded_stack, broker):
+    """A second worker joins, then leaves, while traffic goes on: each handover happens with windows open
+    (event time advances 0.25 s a send, so every 1 s window straddles each rebalance). A revoked worker must
+    not emit its open windows (partial) nor hold marks the new owner trusts; every event stored lands in
+    exactly one window, published once."""
+    stack = embedded_stack(workers=1)
+    hosts = [f"{pipeline_cfg.host}-{k}" for k in range(6)]
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "enable.idempotence": True})
+    topic = pipeline_cfg.raw_topic("host")
+    t0 = time.time_ns() // 1_000_000_000 * 1_000_000_000 - 2_000_000_000
+    state = {"sent": 0, "sends": 0, "stop": False}
+    windows = {h: set() for h in hosts}
+
+    def send_one() -> None:
+        ts = t0 + state["sends"] * 250_000_000
+        for k, host in enumerate(hosts):
+            b = host_batch(host, ts)
+            producer.produce(topic, key=f"_node/{host}".encode(), value=encode(b), headers=b.kafka_headers(),
+                             partition=k % pipeline_cfg.partitions)
+            state["sent"] += b.count
+            windows[host].add(ts // 1_000_000_000 * 1_000_000_000)
+        assert producer.flush(10) == 0
+        state["sends"] += 1
+
+    def feed() -> None:  # the traffic goes on while workers start and stop, as in a real scale-out
+        while not state["stop"]:
+            send_one()
+            time.sleep(0.25)  # the data's pace, not a synchronisation
+
+    def both_working() -> bool:
+        docs = [read_worker_stats(stack.data_dir, w.pid) for w in stack.workers if w.alive()]
+        return len(docs) == 2 and all(d and d["events_in"] > 0 for d in docs)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        stack.wait_for(lambda: (stack.worker_stats() or {}).get("events_in", 0) > 0, 60, "the first worker working")
+        i = stack.add_worker()
+        stack.wait_for(both_working, 120, "both workers working")
+        first = state["sends"]
+        stack.wait_for(lambda: state["sends"] >= first + 8, 60, "traffic while both work")
+        stack.retire_worker(i)
+        last = state["sends"]
+        stack.wait_for(lambda: state["sends"] >= last + 8, 60, "traffic after the second worker left")
+    finally:
+        state["stop"] = True
+        feeder.join(30)
+    sent = state["sent"]
+
+    def settled():
+        w = stack.worker_stats()
+        stored = stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
+                             {"p": pipeline_cfg.host}).rows[0][0]
+        return (stack.worker_lag() == 0 and w and w["open_windows"] == 0 and w["unacked_messages"] == 0
+                and stored >= sent and stack.sink_lag() == 0)
+    stack.wait_for(settled, 120, f"{sent} events stored and every window closed")
+
+    assert stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
+                       {"p": pipeline_cfg.host}).rows[0][0] == sent
+    assert stack.query("SELECT count() FROM dlq").rows[0][0] == 0
+    in_windows = stack.query("SELECT sum(event_count) FROM features FINAL WHERE tenant = '_node' "
+                             "AND startsWith(job, {p:String})", {"p": pipeline_cfg.host}).rows[0][0]
+    assert in_windows == sent, f"{sent - in_windows} of {sent} stored events are in no window"
+    expected = {(h, w) for h in hosts for w in windows[h]}
+    published = features_on_topic(broker.bootstrap, pipeline_cfg.topic("features"), pipeline_cfg.partitions, set(hosts))
+    assert set(published) == expected, f"missing {sorted(expected - set(published))[:5]}"
     assert [k for k, n in published.items() if n != 1] == [], "a window published by both workers"
