@@ -46,6 +46,17 @@ def features_on_topic(bootstrap: str, topic: str, partitions: int, hosts: set[st
     return seen
 
 
+
+def wait_until_settled(stack, host_prefix: str, sent: int) -> None:
+    """Until every worker has committed and closed its windows and the sink has stored every sent event."""
+    def settled():
+        w = stack.worker_stats()
+        stored = stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
+                             {"p": host_prefix}).rows[0][0]
+        return (stack.worker_lag() == 0 and w and w["open_windows"] == 0 and w["unacked_messages"] == 0
+                and stored >= sent and stack.sink_lag() == 0)
+    stack.wait_for(settled, 120, f"{sent} events stored and every window closed")
+
 def test_two_workers_and_one_sink_store_every_event_and_each_window_once(pipeline_cfg, embedded_stack, broker):
     stack = embedded_stack(workers=2)
     hosts = [f"{pipeline_cfg.host}-{k}" for k in range(6)]
@@ -74,13 +85,7 @@ def test_two_workers_and_one_sink_store_every_event_and_each_window_once(pipelin
         time.sleep(0.5)  # the data's pace, not a synchronisation
     assert both_working(), "the second worker never got a share of the partitions"
 
-    def settled():
-        w = stack.worker_stats()
-        stored = stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
-                             {"p": pipeline_cfg.host}).rows[0][0]
-        return (stack.worker_lag() == 0 and w and w["open_windows"] == 0 and w["unacked_messages"] == 0
-                and stored >= sent and stack.sink_lag() == 0)
-    stack.wait_for(settled, 120, f"{sent} events stored and every window closed")
+    wait_until_settled(stack, pipeline_cfg.host, sent)
 
     assert stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
                        {"p": pipeline_cfg.host}).rows[0][0] == sent
@@ -145,13 +150,7 @@ def test_a_worker_joining_and_leaving_mid_window_hands_every_window_over_whole(p
         feeder.join(30)
     sent = state["sent"]
 
-    def settled():
-        w = stack.worker_stats()
-        stored = stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
-                             {"p": pipeline_cfg.host}).rows[0][0]
-        return (stack.worker_lag() == 0 and w and w["open_windows"] == 0 and w["unacked_messages"] == 0
-                and stored >= sent and stack.sink_lag() == 0)
-    stack.wait_for(settled, 120, f"{sent} events stored and every window closed")
+    wait_until_settled(stack, pipeline_cfg.host, sent)
 
     assert stack.query("SELECT count() FROM raw_metrics WHERE startsWith(host, {p:String})",
                        {"p": pipeline_cfg.host}).rows[0][0] == sent

@@ -6,21 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace gloo { namespace transport { namespace tcp {
-class UnboundBuffer {
- public:
-  bool waitRecv(int* rank, std::chrono::milliseconds timeout);
-  bool waitSend(int* rank, std::chrono::milliseconds timeout);
-};
-}}}  // namespace gloo::transport::tcp
-
-namespace c10d {
-class Work {
- public:
-  virtual ~Work() = default;
-  virtual bool wait(std::chrono::milliseconds timeout);
-};
-}  // namespace c10d
+#include "throwing_api.h"
 
 namespace {
 // Not inlined: the exception passes through the probed function's frame, as
