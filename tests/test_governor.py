@@ -169,6 +169,38 @@ def test_a_busy_tracer_defers_its_sample_and_never_blocks_the_agent_tick():
     assert (slow.samples, quick.samples, m.stats()["trace_samples_deferred"]) == (1, 2, 1)
 
 
+def test_a_tracer_that_compiles_per_process_attaches_after_the_quick_ones():
+    """USDT attaches compile a program per process (seconds on a busy node); a rank's uprobe tracers (torch,
+    CUDA) must not wait behind them, whatever the registry's order (stand-in tracers: this is the manager's
+    ordering, not a probe)."""
+    order = []
+
+    class Recording:
+        SLOW_ATTACH = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def families(self):
+            return {}
+
+        def add_pid(self, pid):
+            order.append(self.name)
+            return True
+
+        def sample(self, now_ns):
+            return None
+
+    class Compiling(Recording):
+        SLOW_ATTACH = True
+
+    cfg = Config(trace_pids=("1",), trace_auto=False)
+    m = TracerManager(cfg, tracers={"python": Compiling("python"), "torch": Recording("torch"),
+                                    "cuda": Recording("cuda")}, hit_cost_ns=6000.0)
+    m.poll_targets()
+    assert order == ["torch", "cuda", "python"]
+
+
 def test_always_on_families_alone_over_budget_shed_the_most_expensive_and_retry_it():
     g = OverheadGovernor(budget_frac=0.01, hit_cost_ns=5000, shed_periods=3)
     g.register("cuda", "memory", ALWAYS)

@@ -95,7 +95,9 @@ class TracerManager:
                     self.attached[name].discard(pid)
                     self._call(name, tracer.remove_pid, pid)
         stamps: dict[int, int | None] = {}
-        for name, tracer in self.tracers.items():
+        # quick attaches first: a tracer that compiles per process (USDT) must not hold up the others' probes
+        in_attach_order = sorted(self.tracers.items(), key=lambda item: bool(getattr(item[1], "SLOW_ATTACH", False)))
+        for name, tracer in in_attach_order:
             waiting = self.waiting[name]
             for pid in sorted(found | waiting.keys()):
                 if pid in self.attached[name]:

@@ -107,6 +107,9 @@ def module_name(path: str) -> str:
 class PythonTracer(LinkedFamilyTracer):
     FAMILIES = FAMILIES
     source = "python"
+    # attaching compiles a USDT program per process (seconds on a busy node): the manager attaches the quick
+    # uprobe tracers first, so a rank's torch and CUDA probes never wait behind it
+    SLOW_ATTACH = True
     # none: function__return and gc__done are USDT probes inside the interpreter, plain uprobes that
     # replace no return address
     RETURN_PROBES: dict[str, str] = {}
