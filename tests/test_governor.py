@@ -111,7 +111,7 @@ def test_governor_keeps_a_hot_real_uprobe_inside_budget():
     always_on, _, _ = _per_call_ns(lambda pid: governed(pid, duty_cycle=False), 3)
     # what a hit costs right now on this (shared, noisy) machine: the governor's calibration, in-run
     hit_cost_ns = always_on - untraced
-    with_governor, cpu_s, m = _per_call_ns(governed, 10)
+    with_governor, cpu_s, m = _per_call_ns(governed, 20)
     tracer = m.tracers["libc"]
     hits = tracer.hits()["getppid"]
     probe_share = hits * hit_cost_ns / 1e9 / cpu_s
@@ -122,7 +122,8 @@ def test_governor_keeps_a_hot_real_uprobe_inside_budget():
     # (how many periods it sits out depends on the measured cost, which a loaded machine changes)
     assert tracer.toggles >= 3 and hits > 0
     # the promise: probe hits cost at most the budget (1%) of the traced CPU time; the first,
-    # unmeasured period runs at first_duty, so allow twice the budget over a 10 s run
+    # unmeasured period runs at first_duty, so allow twice the budget over a 20 s run (at 10 s, a loaded
+    # machine's first period alone brought it to 1.98%)
     assert probe_share < 0.02
     assert with_governor < 0.25 * always_on
 
