@@ -46,6 +46,12 @@ def fault_dirs(controller: str, pid: int) -> list[Path]:
     return [p for p in parent.iterdir() if p.is_dir()] if parent.exists() else []
 
 
+def throttled_periods(fault) -> int:
+    """How many CFS periods the kernel throttled the fault's cgroup in (its own accounting, load-independent)."""
+    stat = dict(line.split() for line in fault.cgroup.read("cpu.stat").splitlines())
+    return int(stat.get("nr_throttled", 0))
+
+
 def test_cpu_quota_really_slows_a_busy_process_and_cleans_up(busy):
     version = controller_root("cpu")[1]
     origin = cgroup_of(busy.pid, "cpu", version)
@@ -54,9 +60,12 @@ def test_cpu_quota_really_slows_a_busy_process_and_cleans_up(busy):
     with fault:
         assert cgroup_of(busy.pid, "cpu", version) != origin
         throttled = cpu_share(busy.pid, 1.5)
-    free = cpu_share(busy.pid, 1.0)
+        periods = throttled_periods(fault)
+    # The kernel says the quota bit: a busy loop ran out of its 20 ms in most of the ~15 periods. A share
+    # measured after the fault is not asserted: beside one busy loop per core it says more about the load
+    # than about the fault (measured 0.05 free against 0.21 throttled on a loaded CI machine).
+    assert periods >= 5, f"the kernel throttled the cgroup in {periods} periods of 100 ms over 1.5 s"
     assert throttled < 0.3, f"quota 0.2 CPU, measured {throttled:.2f}"
-    assert free > throttled + 0.2, f"after stop the process should run freely: {free:.2f} vs {throttled:.2f}"
     assert cgroup_of(busy.pid, "cpu", version) == origin
     assert fault_dirs("cpu", busy.pid) == []
 
