@@ -94,24 +94,38 @@ def test_agent_without_kafka_explains_what_to_do(tmp_path):
 def test_up_with_a_configured_kafka_starts_no_broker(tmp_path, broker):
     env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_KAFKA": broker.bootstrap,
            "FLEETSCOPE_TOPIC_PREFIX": f"ext{time.time_ns()}", "FLEETSCOPE_CONSUMER_GROUP": f"ext{time.time_ns()}"}
-    before = tansu_pids()
-    r = subprocess.run(CLI + ["up", "--plain", "--duration", "3"], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"broker {broker.bootstrap}," in r.stdout and "embedded" not in r.stdout.splitlines()[0]
-    assert tansu_pids() == before
+    log = tmp_path / "up.log"
+    with open(log, "wb") as sink:
+        up = subprocess.Popen(CLI + ["up", "--plain", "--duration", "3"], env=env, stdout=sink, stderr=subprocess.STDOUT)
+    started = set()
+    while up.poll() is None:  # watch only this `up`'s own descendants: other runs on the machine may start brokers
+        started |= tansu_descendants(up.pid)
+        time.sleep(0.1)
+    out = log.read_text()
+    assert up.returncode == 0, out
+    assert f"broker {broker.bootstrap}," in out and "embedded" not in out.splitlines()[0]
+    assert started == set(), f"`up` with a configured Kafka started an embedded broker: pids {started}"
 
 
-def tansu_pids() -> set[int]:
-    pids = set()
+def tansu_descendants(root: int) -> set[int]:
+    """Pids of tansu processes below `root`, from /proc's parent links."""
+    parents, commands = {}, {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    if b"tansu" in fh.read().split(b"\0")[0]:
-                        pids.add(int(entry))
-            except OSError:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+                commands[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
+            except (OSError, ValueError, IndexError):
                 continue
-    return pids
+    found = set()
+    for pid, cmd in commands.items():
+        ancestor = parents.get(pid)
+        while ancestor and ancestor != root:
+            ancestor = parents.get(ancestor)
+        if ancestor == root and b"tansu" in cmd:
+            found.add(pid)
+    return found
 
 
 def test_installed_console_script_works_from_any_directory(tmp_path):
