@@ -59,6 +59,11 @@ class TracingSource:
             manager.start()
             self.manager = manager
 
+    @property
+    def settled(self) -> bool:
+        """The manager runs, or never will (no tracer could start, or the agent stopped while it compiled)."""
+        return self.manager is not None or (self._thread.ident is not None and not self._thread.is_alive())
+
     def sample(self, now_ns: int) -> list:
         manager = self.manager
         return manager.sample(now_ns) if manager is not None else []

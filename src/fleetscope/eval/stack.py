@@ -30,7 +30,8 @@ class EvalStack(EmbeddedStack):
         return self
 
     def tracers_ready(self) -> bool:
-        """True once the agent's eBPF tracer manager has joined its samplers (or tracing is off)."""
+        """True once the agent's eBPF tracer manager runs, or tracing is off or could not start (logged)."""
         if not self.cfg.trace or os.geteuid() != 0:
             return True
-        return any(type(s).__name__ == "TracerManager" for s in getattr(self.agent, "samplers", []))
+        trace = next((s for s in self.agent.sources if s.name == "trace"), None)
+        return trace is None or trace.settled
