@@ -93,8 +93,9 @@ class IdentityRules:
     default_tenant: str = "default"
     job_env: tuple[str, ...] = ("FLEETSCOPE_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                                 "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
-    # Whether the workload's own tenant_env may name its tenant (after every trusted source).
-    tenant_env_trusted: bool = True
+    # Whether the workload's own tenant_env may name its tenant (after every trusted source). Off unless the
+    # operator says so: a workload must not choose its own tenant.
+    tenant_env_trusted: bool = False
     # The operator's trusted sources (kubelet pod list, node mapping file): a TenantSources.
     sources: object | None = None
     rejected: dict = dataclasses.field(default_factory=lambda: {"tenant": 0, "job": 0})

@@ -15,7 +15,8 @@ def test_environment_overrides_the_file_which_overrides_defaults(tmp_path):
 
 
 def test_configured_identity_rules_decide_tenant_and_job():
-    rules = identity_rules(load(env={"FLEETSCOPE_TENANT_ENV": "TEAM", "FLEETSCOPE_JOB_ENV": "RUN_NAME,SLURM_JOB_ID"}))
+    rules = identity_rules(load(env={"FLEETSCOPE_TENANT_ENV": "TEAM", "FLEETSCOPE_TENANT_ENV_TRUSTED": "true",
+                                     "FLEETSCOPE_JOB_ENV": "RUN_NAME,SLURM_JOB_ID"}))
     env = {"TEAM": "vision", "RUN_NAME": "resnet-7", "SLURM_JOB_ID": "99"}
     assert rules.tenant(env, pod="") == "vision"
     assert rules.job(env, host="n1")[0] == "resnet-7"

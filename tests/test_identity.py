@@ -91,10 +91,11 @@ def test_plain_process_has_no_job_and_unknown_rank(spawn):
     assert (ident.rank, ident.local_rank, ident.world_size, ident.gpu) == (-1, -1, -1, -1)
 
 
-def test_tenant_env_overrides_default_tenant(spawn):
-    ident = IdentityResolver().resolve(spawn({**TORCHRUN_ENV, "FLEETSCOPE_TENANT": "vision-team"}).pid)
+def test_tenant_env_overrides_default_tenant_where_trusted(spawn):
+    trusted = IdentityRules(tenant_env_trusted=True)
+    ident = IdentityResolver(rules=trusted).resolve(spawn({**TORCHRUN_ENV, "FLEETSCOPE_TENANT": "vision-team"}).pid)
     assert ident.tenant == "vision-team"
-    renamed = IdentityRules(tenant_env="TEAM", default_tenant="shared")
+    renamed = IdentityRules(tenant_env="TEAM", default_tenant="shared", tenant_env_trusted=True)
     proc = spawn({"TEAM": "nlp", "FLEETSCOPE_TENANT": "ignored"})
     assert IdentityResolver(rules=renamed).resolve(proc.pid).tenant == "nlp"
 
@@ -268,9 +269,9 @@ def test_pod_mapping_decides_tenant_over_environment(tmp_path):
     cgroup = f"0::/kubepods.slice/kubepods-pod{POD_UID_SYSTEMD}.slice/cri-containerd-{HEX}.scope\n"
     fake_proc(tmp_path, 200, environ=b"FLEETSCOPE_TENANT=claimed\0", cgroup=cgroup)
     fake_proc(tmp_path, 201, environ=b"FLEETSCOPE_TENANT=claimed\0", cgroup="0::/\n")
-    rules = IdentityRules(tenant_by_pod={POD_UID: "team-ml"}.get)
+    rules = IdentityRules(tenant_by_pod={POD_UID: "team-ml"}.get, tenant_env_trusted=True)
     resolver = IdentityResolver(rules=rules, proc_root=tmp_path)
     assert resolver.resolve(200).tenant == "team-ml"
     assert resolver.resolve(201).tenant == "claimed"  # no pod: the environment decides
-    off = IdentityRules(tenant_by_pod={POD_UID: "team-ml"}.get, tenant_from_namespace=False)
+    off = IdentityRules(tenant_by_pod={POD_UID: "team-ml"}.get, tenant_from_namespace=False, tenant_env_trusted=True)
     assert IdentityResolver(rules=off, proc_root=tmp_path).resolve(200).tenant == "claimed"

@@ -86,12 +86,13 @@ def disk_writes():
 
 
 def test_offcpu_switches_and_irqs_of_real_processes(children, tracer_factory):
-    from fleetscope.producers.identity import IdentityResolver
+    from fleetscope.producers.identity import IdentityResolver, IdentityRules
 
     sleeper = children(SLEEPER, {"FLEETSCOPE_TENANT": "t1", "FLEETSCOPE_JOB": "j1", "RANK": "3"})
     spinner = children(SPINNER)
     untraced = children(SLEEPER)
-    tracer = tracer_factory(resolver=IdentityResolver(), pids=[sleeper.pid])
+    # the sleeper names its own tenant: trusted here (off by default) so the rows show the resolver was used
+    tracer = tracer_factory(resolver=IdentityResolver(IdentityRules(tenant_env_trusted=True)), pids=[sleeper.pid])
     tracer.add_pid(spinner.pid)
     time.sleep(0.2)
     tracer.sample()  # baseline: everything before this is discarded

@@ -35,7 +35,7 @@ def test_traced_cuda_calls_become_rank_features_with_sampling_recorded(tmp_path)
                  # a stand-in launch costs nanoseconds, so each 6 µs hit costs ~100x the call: at the default
                  # 1% budget the launch family would get one slice every few seconds; 5% gives several here
                  trace_budget=0.05, trace_duty_period_s=0.5, trace_poll_s=0.2, window_s=1.0, allowed_lateness_s=0.0,
-                 warmup_windows=1000)
+                 warmup_windows=1000, tenant_env_trusted=True)  # the workload names its tenant (acme)
     store = open_store(tmp_path, clickhouse_url=None, prefer_endpoint=False)
     store.migrate()
     manager = None

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from fleetscope.config import ConfigError, load
+from fleetscope.producers.agent import identity_rules
 from fleetscope.producers.identity import IdentityResolver, IdentityRules
 from fleetscope.producers.tenant_sources import TenantMapError, TenantSources
 
@@ -47,7 +48,8 @@ def test_the_pods_namespace_is_the_tenant_whatever_the_workload_claims(tmp_path,
     proc = tmp_path / "proc"
     fake_proc(proc, 300, environ=b"FLEETSCOPE_TENANT=team-other\0FLEETSCOPE_JOB=j1\0", cgroup=CGROUPS[runtime])
     sources = TenantSources(kubelet_pods=str(kubelet_pods_file(tmp_path / "pods.json")))
-    ident = IdentityResolver(IdentityRules(sources=sources), proc_root=proc).resolve(300)
+    # the environment is trusted here, so the namespace wins on precedence, not because env is ignored
+    ident = IdentityResolver(IdentityRules(sources=sources, tenant_env_trusted=True), proc_root=proc).resolve(300)
     assert ident.tenant == "team-vision"
     assert (ident.namespace, ident.pod_name, ident.pod) == ("team-vision", "trainer-0", POD)
     assert ident.container == CID[:12] and ident.container_name == "trainer"
@@ -77,17 +79,20 @@ def test_a_node_mapping_file_maps_pods_cgroups_and_slurm_accounts(tmp_path):
 def test_the_workloads_environment_names_the_tenant_only_when_trusted(tmp_path):
     proc = tmp_path / "proc"
     fake_proc(proc, 10, environ=b"FLEETSCOPE_TENANT=team-a\0")
-    assert IdentityResolver(IdentityRules(), proc_root=proc).resolve(10).tenant == "team-a"
-    untrusted = IdentityRules(tenant_env_trusted=False)
-    assert IdentityResolver(untrusted, proc_root=proc).resolve(10).tenant == "default"
-    cfg = load(env={"FLEETSCOPE_TENANT_ENV_TRUSTED": "false"})
-    assert cfg.tenant_env_trusted is False
+    # least privilege: by default a workload's own environment does not choose its tenant
+    assert IdentityResolver(IdentityRules(), proc_root=proc).resolve(10).tenant == "default"
+    assert load(env={}).tenant_env_trusted is False
+    assert identity_rules(load(env={})).tenant_env_trusted is False
+    trusted = IdentityRules(tenant_env_trusted=True)
+    assert IdentityResolver(trusted, proc_root=proc).resolve(10).tenant == "team-a"
+    cfg = load(env={"FLEETSCOPE_TENANT_ENV_TRUSTED": "true"})
+    assert cfg.tenant_env_trusted is True and identity_rules(cfg).tenant_env_trusted is True
 
 
 def test_no_process_can_claim_the_reserved_node_tenant(tmp_path):
     proc = tmp_path / "proc"
     fake_proc(proc, 20, environ=b"FLEETSCOPE_TENANT=_node\0FLEETSCOPE_JOB=j\0")
-    rules = IdentityRules()
+    rules = IdentityRules(tenant_env_trusted=True)  # trusted, so the claim is read and refused for its name
     assert IdentityResolver(rules, proc_root=proc).resolve(20).tenant == "default"
     assert rules.rejected["tenant"] == 1
 
@@ -96,7 +101,7 @@ def test_no_process_can_claim_the_reserved_node_tenant(tmp_path):
 def test_identity_values_that_are_not_name_shaped_are_never_published(tmp_path, bad):
     proc = tmp_path / "proc"
     fake_proc(proc, 30, environ=f"FLEETSCOPE_TENANT={bad}\0FLEETSCOPE_JOB={bad}\0SLURM_JOB_ID=777\0".encode())
-    ident = IdentityResolver(IdentityRules(), proc_root=proc).resolve(30)
+    ident = IdentityResolver(IdentityRules(tenant_env_trusted=True), proc_root=proc).resolve(30)
     assert ident.tenant == "default"
     assert (ident.job, ident.source) == ("777", "slurm")  # the next configured variable decides
 

@@ -113,8 +113,9 @@ class Config:
     # tenant when none does, and the variables that name its job, in precedence order.
     tenant_env: str = "FLEETSCOPE_TENANT"
     # Whether a workload's own environment may name its tenant. Trusted sources (the pod's namespace,
-    # tenant_map_file) always come first; set false on shared nodes, where a workload could claim any tenant.
-    tenant_env_trusted: bool = True
+    # tenant_map_file) always come first. Off by default (least privilege): a workload could claim any tenant;
+    # turn it on only where every workload on the node is the operator's own.
+    tenant_env_trusted: bool = False
     # Node-local tenant mapping (TOML): [pods] uid = "namespace/pod", [cgroups] "glob" = "tenant",
     # [slurm_accounts] account = "tenant". None: no mapping file.
     tenant_map_file: Path | None = None
