@@ -6,10 +6,14 @@ Goals (issue 14): kafka_bytes_per_event <= 12; the codec must stay far from
 the worker's budget (issue 2: >= 2,000,000 events/s per core each way).
 Decode includes schema.validate, as a worker does. Timings are the best of
 repeated runs (the least disturbed by neighbours on a shared machine).
+`--baseline REV` also times the decoder as it was at REV (arrow_wire.py and
+ipc_frames.py from git) against today's, alternating the two in one run, so a
+change to the decoder is reported as a ratio that a busy machine does not skew.
 Writes benchmarks/results/codec.json.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -46,6 +50,40 @@ def old_codec():
     return commit, module
 
 
+def decoder_at(rev: str):
+    """fleetscope.arrow_wire as it was at `rev`, with the ipc_frames of that commit, imported from git."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    folder = Path(tempfile.mkdtemp())
+    modules = {}
+    for name in ("ipc_frames", "arrow_wire"):
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:src/fleetscope/{name}.py"],
+                                capture_output=True, text=True, check=True).stdout
+        source = source.replace("from fleetscope import ipc_frames\n", "import baseline_ipc_frames as ipc_frames\n")
+        path = folder / f"baseline_{name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+        modules[name] = importlib.util.module_from_spec(spec)
+        sys.modules[f"baseline_{name}"] = modules[name]
+        spec.loader.exec_module(modules[name])
+    return commit, modules["arrow_wire"]
+
+
+def best_pair_us_per_event(fn_a, fn_b, events: int, seconds: float = 3.0) -> tuple[float, float]:
+    """Best times of two functions run in alternation, so both see the same neighbours."""
+    best_a = best_b = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn_a()
+            t1 = time.perf_counter()
+            fn_b()
+            t2 = time.perf_counter()
+            best_a, best_b = min(best_a, t1 - t0), min(best_b, t2 - t1)
+    return best_a / events * 1e6, best_b / events * 1e6
+
+
 def make_columns(n: int, rng, str_column) -> dict:
     ident = node_identity("bench-node", n)
     for k in ("tenant", "job"):
@@ -67,6 +105,10 @@ def best_us_per_event(fn, events: int, seconds: float = 1.5) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="a git revision whose decoder to time against today's, in the same run")
+    args = parser.parse_args()
+    baseline = decoder_at(args.baseline) if args.baseline else None
     commit, old = old_codec()
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
                            "pyarrow": pa.__version__},
@@ -105,6 +147,14 @@ def main() -> None:
         row["uncompressed_arrow_bytes_per_event"] = round(plain.size / n, 2)
         row["uncompressed_arrow_read_only_us_per_event"] = round(best_us_per_event(
             lambda: pa.ipc.open_stream(plain, options=one_thread).read_next_batch(), n), 4)
+        if baseline is not None:
+            base_commit, base_decoder = baseline
+            assert np.array_equal(base_decoder.decode(new_data).columns["value"], new_batch.columns["value"])
+            base_us, today_us = best_pair_us_per_event(lambda: validate(base_decoder.decode(new_data)),
+                                                       lambda: validate(wire.arrow_wire.decode(new_data)), n)
+            row["baseline_decode"] = {"commit": base_commit[:10], "baseline_us_per_event": round(base_us, 4),
+                                      "today_us_per_event": round(today_us, 4),
+                                      "today_over_baseline": round(today_us / base_us, 3)}
         results["batches"].append(row)
         print(row, flush=True)
     at_10k = next(b for b in results["batches"] if b["events_per_batch"] == 10_000)

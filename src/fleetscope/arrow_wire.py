@@ -44,7 +44,9 @@ _ARROW_OF_DTYPE = {
     np.dtype("<u1"): pa.uint8(), np.dtype("<u2"): pa.uint16(), np.dtype("<u4"): pa.uint32(), np.dtype("<u8"): pa.uint64(),
     np.dtype("<f4"): pa.float32(), np.dtype("<f8"): pa.float64(),
 }
-_NUMERIC_TYPES = frozenset(_ARROW_OF_DTYPE.values())
+_NUMERIC_TYPE_IDS = frozenset(t.id for t in _ARROW_OF_DTYPE.values())
+_DICTIONARY_TYPE_ID = _STR_TYPE.id
+_INDEX_TYPE_ID = _INDEX_TYPE.id
 _DICT_CACHED = 256  # dictionaries up to this many values are built once (samplers repeat theirs every tick)
 
 
@@ -189,17 +191,18 @@ def _str_values(name: str, dictionary: pa.Array) -> tuple[str, ...]:
         raise _arrow_fault(f"corrupt Arrow stream: string column {name!r}: corrupt dictionary", exc) from None
 
 
-def _column(field: pa.Field, arr: pa.Array) -> Column:
-    name, arrow_type = field.name, field.type
+def _column(name: str, arr: pa.Array) -> Column:
     if arr.null_count:
         raise WireError(f"column {name!r} holds {arr.null_count} nulls; batches carry none")
-    if arrow_type in _NUMERIC_TYPES:
+    arrow_type = arr.type
+    # by type id: a numeric type is its id, and comparing ints costs a tenth of hashing a DataType
+    type_id = arrow_type.id
+    if type_id in _NUMERIC_TYPE_IDS:
         return arr.to_numpy(zero_copy_only=True)
-    if arrow_type != _STR_TYPE:
-        if not pa.types.is_dictionary(arrow_type):
-            raise WireError(f"column {name!r}: unsupported Arrow type {arrow_type}")
-        if arrow_type.index_type != _INDEX_TYPE:
-            raise WireError(f"string column {name!r}: {arrow_type.index_type} indices, expected uint32")
+    if type_id != _DICTIONARY_TYPE_ID:
+        raise WireError(f"column {name!r}: unsupported Arrow type {arrow_type}")
+    if arrow_type.index_type.id != _INDEX_TYPE_ID:
+        raise WireError(f"string column {name!r}: {arrow_type.index_type} indices, expected uint32")
     values = _str_values(name, arr.dictionary)
     codes = arr.indices.to_numpy(zero_copy_only=True)
     # what Arrow's full validation would check, at numpy speed: every code names a value
@@ -253,7 +256,7 @@ def decode(value) -> Batch:
     if len(set(names)) != len(names):
         raise WireError(f"a column name appears twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
     facts = md.from_arrow(meta)
-    columns = {field.name: _column(field, arr) for field, arr in zip(arrow_schema, record.columns)}
+    columns = {name: _column(name, arr) for name, arr in zip(names, record.columns)}
     return Batch(columns=columns, **facts)
 
 

@@ -11,6 +11,11 @@ What Arrow does not offer safely or at all:
 
 Layouts are Arrow's format/Message.fbs and Schema.fbs. Every read is bounds
 checked; any fault is a WireError saying where.
+
+The walk runs on every message, in Python, so what repeats is read once: message
+headers and small dictionary messages are remembered by their bytes (producers
+resend the same dictionaries with every batch). Only what was accepted is
+remembered; tests/test_wire_walk_memo.py checks the memo changes no verdict.
 """
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ SCHEMA, DICTIONARY_BATCH, RECORD_BATCH = 1, 2, 3  # MessageHeader union tags
 MAX_ROW_BYTES = 8  # the widest value a record batch column holds: int64/float64 (dictionary codes take 4)
 BUFFER_SLACK = 64  # room for a buffer's padding (Arrow pads to 8 bytes, some writers to 64)
 NOT_COMPRESSED = -1  # a compressed body's buffer prefix saying "stored as is"
+# Dictionary messages up to this size (prefix, header and body) are walked once per distinct bytes;
+# 1,024 of them remembered take at most 4 MiB.
+CACHED_DICTIONARY_MESSAGE_BYTES = 4096
+# Message headers (flatbuffers) up to this size are read once per distinct bytes: 2,048 take <= 2 MiB.
+CACHED_HEADER_BYTES = 1024
 
 _PREFIX = struct.Struct("<Ii")  # continuation marker, metadata length
 _U8, _U16, _I32, _U32, _I64 = (struct.Struct(f) for f in ("<B", "<H", "<i", "<I", "<q"))
@@ -80,17 +90,31 @@ def _message(view: memoryview, pos: int) -> tuple[int, int, int, int, int]:
         return 0, pos + 8, 0, 0, 0
     if length < 0 or pos + 8 + length > len(view):
         raise WireError(f"corrupt Arrow stream: a message header of {length} bytes at byte {pos} runs past the end")
-    buf = view[pos + 8:pos + 8 + length]
-    root = _ref(buf, 0)
-    _, kind_at, header_at, body_at = _fields(buf, root, 4)
-    kind = _U8.unpack_from(buf, kind_at)[0] if kind_at else 0
-    body = _I64.unpack_from(buf, body_at)[0] if body_at else 0
-    header = _ref(buf, header_at) if header_at else 0
+    if length <= CACHED_HEADER_BYTES:
+        kind, header, body = _remembered_message_table(bytes(view[pos + 8:pos + 8 + length]))
+    else:
+        kind, header, body = _message_table(view[pos + 8:pos + 8 + length])
     if kind and not header:
         raise WireError(f"corrupt Arrow stream: the message at byte {pos} has no header")
     if body < 0 or pos + 8 + length + body > len(view):
         raise WireError(f"corrupt Arrow stream: a message body of {body} bytes at byte {pos} runs past the end")
     return kind, pos + 8, length, header, body
+
+
+def _message_table(buf: memoryview) -> tuple[int, int, int]:
+    """(kind, header table, body length) from a message's flatbuffer; 0 for an absent field."""
+    _, kind_at, header_at, body_at = _fields(buf, _ref(buf, 0), 4)
+    kind = _U8.unpack_from(buf, kind_at)[0] if kind_at else 0
+    body = _I64.unpack_from(buf, body_at)[0] if body_at else 0
+    header = _ref(buf, header_at) if header_at else 0
+    return kind, header, body
+
+
+@functools.lru_cache(maxsize=2048)
+def _remembered_message_table(metadata: bytes) -> tuple[int, int, int]:
+    """`_message_table` remembered by the header's bytes: a dictionary's header repeats from
+    batch to batch. A header it cannot read raises struct.error and is not remembered."""
+    return _message_table(memoryview(metadata))
 
 
 @dataclass(frozen=True)
@@ -213,10 +237,10 @@ def _read_body(view: memoryview, pos: int, max_decoded_bytes: int) -> Body:
         elif kind == DICTIONARY_BATCH:
             if records:
                 raise WireError("corrupt Arrow stream: a dictionary after the record batch")
-            data_at = _fields(buf, header, 2)[1]
-            if not data_at:
-                raise WireError(f"corrupt Arrow stream: the dictionary at byte {pos} holds no data")
-            total += _buffers(buf, _ref(buf, data_at), view, body_at, body, max_decoded_bytes)
+            if body_at + body - pos <= CACHED_DICTIONARY_MESSAGE_BYTES:
+                total += _small_dictionary_bytes(view, pos, body_at + body, max_decoded_bytes)
+            else:
+                total += _dictionary_bytes(view, pos, buf, header, body_at, body, max_decoded_bytes)
         else:
             raise WireError(f"corrupt Arrow stream: unexpected message of kind {kind} at byte {pos}")
         if total > max_decoded_bytes:
@@ -228,3 +252,32 @@ def _read_body(view: memoryview, pos: int, max_decoded_bytes: int) -> Body:
     if pos != len(view):
         raise WireError(f"corrupt Arrow stream: {len(view) - pos} bytes after the end of stream")
     return Body(rows, total)
+
+
+def _dictionary_bytes(view: memoryview, pos: int, buf: memoryview, header: int, body_at: int, body: int,
+                      max_decoded_bytes: int) -> int:
+    """Bytes the dictionary message at `pos` declares uncompressed, each buffer checked."""
+    data_at = _fields(buf, header, 2)[1]
+    if not data_at:
+        raise WireError(f"corrupt Arrow stream: the dictionary at byte {pos} holds no data")
+    return _buffers(buf, _ref(buf, data_at), view, body_at, body, max_decoded_bytes)
+
+
+def _small_dictionary_bytes(view: memoryview, pos: int, end: int, max_decoded_bytes: int) -> int:
+    """`_dictionary_bytes` remembered by the message's bytes: producers resend the same few
+    dictionaries (tenant, job, metric, device) with every batch, and zstd writes the same bytes
+    for them each time. The walk is a function of those bytes and the limit alone; a message it
+    refuses is not remembered, and is walked again in place so the error names its true position."""
+    try:
+        return _remembered_dictionary_bytes(bytes(view[pos:end]), max_decoded_bytes)
+    except (WireError, struct.error):
+        _, start, length, header, body = _message(view, pos)
+        return _dictionary_bytes(view, pos, view[start:start + length], header, start + length, body,
+                                 max_decoded_bytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _remembered_dictionary_bytes(message: bytes, max_decoded_bytes: int) -> int:
+    view = memoryview(message)
+    _, start, length, header, body = _message(view, 0)
+    return _dictionary_bytes(view, 0, view[start:start + length], header, start + length, body, max_decoded_bytes)
