@@ -80,6 +80,12 @@ class Identity:
     master_addr: str = ""
     source: str = "none"  # which rule decided the job: torchelastic, slurm, mpi, env:NAME, rendezvous, none
 
+    def placement(self) -> tuple[str, str, str]:
+        """(pod, namespace, container) as rows carry them (fleetscope.schema.PLACEMENT_COLUMNS): the pod's
+        and the container's names where the kubelet or the node mapping gave them, else the pod UID and the
+        short container id the cgroup names; "" where the process has none."""
+        return self.pod_name or self.pod, self.namespace, self.container_name or self.container
+
 
 @dataclass
 class IdentityRules:

@@ -1,7 +1,8 @@
 """Which columns each source's batches must carry, and their types.
 
 Every event carries its identity (tenant, job, rank, pid, gpu) and its event
-time `ts_ns` (ns since the Unix epoch). The node is the batch's `host`.
+time `ts_ns` (ns since the Unix epoch), and where known its placement (pod,
+namespace, container). The node is the batch's `host`.
 Events that belong to the node rather than to a rank (host counters, agent
 health) use tenant NODE_TENANT, job = the host name, rank -1.
 """
@@ -37,9 +38,13 @@ SOURCE_COLUMNS: dict[str, dict] = {
 TRACED_SOURCES = ("cuda", "nccl", "python", "torch", "python_sampler")
 SAMPLE_FRAC = {"sample_frac": np.dtype("<f8")}
 SOURCE_COLUMNS.update({src: {**IDENTITY_COLUMNS, **METRIC_COLUMNS, **SAMPLE_FRAC} for src in TRACED_SOURCES})
+# Where a process runs, where known (producers/identity.py Identity.placement): its Kubernetes pod (name, else
+# the UID its cgroup names), the pod's namespace, and its container (name, else the short container id).
+# Optional: node rows and sources that see no process leave them out, and the store fills ''.
+PLACEMENT_COLUMNS = {"pod": STR, "namespace": STR, "container": STR}
 # Columns any source may carry, which the worker and the sink read when present: typed like the required
 # ones, so a mistyped one is refused once, at decode, instead of failing later in the worker and the sink.
-OPTIONAL_COLUMNS = {**SAMPLE_FRAC}
+OPTIONAL_COLUMNS = {**SAMPLE_FRAC, **PLACEMENT_COLUMNS}
 
 
 def validate(batch: Batch) -> None:
