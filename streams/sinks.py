@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from fleetscope import wire
-from fleetscope.schema import SOURCE_COLUMNS
+from fleetscope.schema import PLACEMENT_COLUMNS, SOURCE_COLUMNS
 from fleetscope.wire import Batch, StrColumn
 from fleetscope.streams.features import FEATURE_VERSION, window_features
 from fleetscope.streams.store_writes import Insert, StoreUnavailable, store_answers
@@ -80,14 +80,20 @@ class RawSink:
         batch: a table of hundreds of small chunks made chDB's insert several times slower)."""
         counts = np.fromiter((b.count for b in batches), dtype=np.int64, count=len(batches))
 
-        def column(name):
-            cols = [b.columns[name] for b in batches]
+        def column(name, cols=None):
+            cols = [b.columns[name] for b in batches] if cols is None else cols
             if isinstance(cols[0], StrColumn):  # one dictionary of distinct values for all batches, one take
                 index: dict[str, int] = {}
                 codes = [np.fromiter((index.setdefault(v, len(index)) for v in c.values), dtype=np.int32,
                                      count=len(c.values))[c.codes] for c in cols]
                 return pa.array(list(index), pa.string()).take(pa.array(np.concatenate(codes)))
             return pa.array(np.concatenate(cols))
+
+        def placement(name):  # only process rows carry pod/namespace/container; other batches store ''
+            if not any(name in b.columns for b in batches):
+                return None
+            return column(name, [b.columns[name] if name in b.columns else StrColumn.constant("", b.count)
+                                 for b in batches])
 
         def per_batch(attr):
             return pa.array([getattr(b, attr) for b in batches], pa.string()).take(
@@ -97,11 +103,13 @@ class RawSink:
         frac = np.concatenate([b.columns["sample_frac"] if "sample_frac" in b.columns else np.ones(b.count)
                                for b in batches])
         ts = pa.array(np.concatenate([b.columns["ts_ns"] for b in batches]).view("datetime64[ns]"))
-        return pa.table({"source": per_batch("source"), "tenant": column("tenant"), "job": column("job"),
-                         "host": per_batch("host"), "rank": column("rank"), "pid": column("pid"),
-                         "gpu": column("gpu"), "ts": ts, "metric": column("metric"), "device": column("device"),
-                         "value": column("value"), "interval_ns": column("interval_ns"),
-                         "sample_frac": pa.array(frac, pa.float64()), "batch_id": per_batch("batch_id")})
+        table = {"source": per_batch("source"), "tenant": column("tenant"), "job": column("job"),
+                 "host": per_batch("host"), "rank": column("rank"), "pid": column("pid"), "gpu": column("gpu")}
+        table.update({name: col for name in PLACEMENT_COLUMNS if (col := placement(name)) is not None})
+        table.update({"ts": ts, "metric": column("metric"), "device": column("device"), "value": column("value"),
+                      "interval_ns": column("interval_ns"), "sample_frac": pa.array(frac, pa.float64()),
+                      "batch_id": per_batch("batch_id")})
+        return pa.table(table)
 
 
 class FeatureSink:

@@ -80,3 +80,24 @@ def test_the_store_has_placement_columns_and_rows_without_them_read_empty(store)
         "value": np.ones(1, "<f8"), "interval_ns": np.full(1, 10**9, "<i8")}, created_ns=time.time_ns())
     assert RawSink(store).write([node]) == []
     assert store.query("SELECT pod, namespace, container FROM raw_metrics").rows == [("", "", "")]
+
+
+def test_a_pod_process_rows_land_in_the_store_with_pod_namespace_and_container(store, tmp_path):
+    """The worker's real path in-process (StreamProcessor with a store runs the sink's writer): a batch of a
+    resolved pod process beside a node batch without placement; each row keeps its own."""
+    from fleetscope.config import Config
+    from fleetscope.streams.processor import MessageRef, StreamProcessor
+    ident = resolved(tmp_path, kubelet=True)
+    now = time.time_ns()
+    node = placed_batch(ident, now, n=2)
+    for name in PLACEMENT_COLUMNS:
+        del node.columns[name]
+    node = Batch("proc", "node-a", {**node.columns, "tenant": StrColumn.constant("_node", 2),
+                                    "job": StrColumn.constant("node-a", 2)}, created_ns=now)
+    proc = StreamProcessor(Config(data_dir=tmp_path, window_s=1.0), store)
+    for offset, batch in enumerate((placed_batch(ident, now), node)):
+        proc.handle(encode(batch), None, MessageRef("fleetscope.raw.proc", 0, offset))
+    proc.flush(force=True)
+    rows = store.query("SELECT tenant, pod, namespace, container, count() FROM raw_metrics "
+                       "GROUP BY tenant, pod, namespace, container ORDER BY tenant").rows
+    assert rows == [("_node", "", "", "", 2), ("team-vision", "trainer-0", "team-vision", "trainer", 3)]
