@@ -74,6 +74,10 @@ class Config:
     max_future_skew_s: float = 300.0
     store_error_log_s: float = 30.0
     idle_evict_s: float = 900.0
+    # A sink's poll stops taking records once they hold this many rows (their fs-count headers), so one
+    # insert stays a few hundred MB however large the producers' batches (5,000 records of 2,000 events
+    # made one 10M-row insert and a 2.95 GB sink). A single larger record still goes, alone.
+    sink_max_rows_per_insert: int = 500_000
     # /metrics (Prometheus text format) of the agent and the worker: loopback unless a deployment names an
     # address; port -1 turns it off, 0 takes any free port. Result series of a job idle this long are removed.
     metrics_address: str = "127.0.0.1"
@@ -171,6 +175,8 @@ class Config:
             raise ConfigError("trace_duty_period_s must be >= 0.2 s and trace_poll_s > 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port}: must be -1 (off), 0 (any free port) or a TCP port")
+        if self.sink_max_rows_per_insert < 1:
+            raise ConfigError(f"sink_max_rows_per_insert={self.sink_max_rows_per_insert}: must be >= 1")
         if self.alert_resolve_s <= 0 or self.alert_resend_s <= 0 or self.metrics_job_expire_s <= 0:
             raise ConfigError("alert_resolve_s, alert_resend_s and metrics_job_expire_s must be > 0")
         if self.spool_max_batches < 1 or self.spool_max_bytes < 1 or self.spool_dir_max_bytes < 1:
@@ -207,7 +213,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_STEP_HOLD_S": "step_hold_s", "FLEETSCOPE_WARMUP_WINDOWS": "warmup_windows",
     "FLEETSCOPE_DETECT_RULE": "detect_rule", "FLEETSCOPE_MODEL_CHECKPOINT_S": "model_checkpoint_s",
     "FLEETSCOPE_MAX_FUTURE_SKEW_S": "max_future_skew_s", "FLEETSCOPE_STORE_ERROR_LOG_S": "store_error_log_s",
-    "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s",
+    "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s", "FLEETSCOPE_SINK_MAX_ROWS_PER_INSERT": "sink_max_rows_per_insert",
     **{f"FLEETSCOPE_{name.upper()}": name for name in (
         "metrics_address", "metrics_port", "metrics_job_expire_s", "alert_alertmanager_url", "alert_webhook_url",
         "alert_tenant_labels", "alert_tenant_webhooks", "alert_resolve_s", "alert_resend_s")},

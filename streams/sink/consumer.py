@@ -8,7 +8,13 @@ storing and committing replays exactly that poll first, grouped the same,
 so its inserts carry the same dedupe tokens and the store drops the copy.
 Backpressure: while the store is down, the sink pauses its partitions and
 retries the same inserts every STORE_RETRY_S, holding one poll in memory at
-most (`sink_poll_records`); errors are logged once per period with a count.
+most; errors are logged once per period with a count.
+A poll is bounded by records (POLL_RECORDS) and by rows (`sink_max_rows_per_insert`,
+counted from each record's fs-count header): records taken from Kafka beyond
+the rows are carried, in order, to the next poll, and nothing more is fetched
+while the carried ones fill one. The cut falls in (topic, partition, offset)
+order, so each partition's part of a poll is a run of consecutive offsets: its
+plan's ranges name exactly its records, and a replay regroups nothing.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from fleetscope.batch import H_COUNT
 from fleetscope.topics import RAW_SOURCES
 from fleetscope.streams.outage_log import OutageLog
 from fleetscope.streams.sink.poll_plan import PollPlan
@@ -29,6 +36,7 @@ STORE_RETRY_S = 1.0
 POLL_RECORDS = 5000
 REPLAY_WAIT_S = 30.0  # how long a restarted sink waits for its planned records before it goes on without
 PLAN_FILE = "sink-poll-plan.json"
+BYTES_PER_UNCOUNTED_ROW = 4  # a record without a row count counts one row per this many bytes (Arrow+zstd: 6-10)
 
 
 def sink_topics(cfg) -> list[str]:
@@ -38,7 +46,7 @@ def sink_topics(cfg) -> list[str]:
 
 class Sink:
     def __init__(self, cfg, store, consumer, producer=None, clock=time.monotonic, poll_records: int = POLL_RECORDS,
-                 plan_path: Path | None = None):
+                 plan_path: Path | None = None, max_rows: int | None = None):
         self.cfg = cfg
         self.store = store
         self.consumer = consumer
@@ -46,6 +54,7 @@ class Sink:
         self.writer = TopicWriter(cfg, store)
         self.clock = clock
         self.poll_records = poll_records
+        self.max_rows = max_rows if max_rows is not None else cfg.sink_max_rows_per_insert
         self.outage = OutageLog(log, "store unavailable (sink paused)", cfg.store_error_log_s, clock)
         self.paused = False
         self.commits = 0
@@ -56,11 +65,14 @@ class Sink:
         self._replay = self.plan.load()  # the poll a killed sink stored but did not commit, if any
         self._replay_records: list[Record] = []
         self._replay_deadline: float | None = None
-        self._carry: list[Record] = []  # taken from Kafka while replaying, beyond the plan: the next poll's
+        self._carry: list[Record] = []  # taken from Kafka beyond the plan or a poll's rows: the next poll's
         self.replayed_polls = 0
 
     def on_assign(self, consumer, partitions) -> None:
         self.writer.forget_replays()
+        # Kafka fetches again from the committed offsets after a rebalance: records carried from before it
+        # would be stored twice, or by this sink for a partition another now owns.
+        self._carry = []
 
     def step(self, timeout_s: float = 0.2) -> None:
         if self._pending is None:
@@ -115,10 +127,9 @@ class Sink:
 
     def _take(self, timeout_s: float) -> list[Record]:
         """The next poll: after a restart, the planned records alone; then the carried and new ones."""
-        fresh = [self._record(m) for m in self.consumer.consume(self.poll_records, timeout_s) if m.error() is None]
+        fresh = self._fetch(timeout_s)
         if not self._replay:
-            records, self._carry = self._carry + fresh, []
-            return records
+            return self._bounded(self._carry + fresh)
         if self._replay_deadline is None:
             self._replay_deadline = self.clock() + REPLAY_WAIT_S
             self._drop_committed_ranges()
@@ -137,6 +148,28 @@ class Sink:
                         REPLAY_WAIT_S)
         records, self._replay_records, self._replay = self._replay_records, [], {}
         self.replayed_polls += 1
+        return records
+
+    def _fetch(self, timeout_s: float) -> list[Record]:
+        """New records from Kafka, unless those carried over already fill a poll."""
+        room = self.poll_records
+        if not self._replay:  # a replay takes all it can: its planned records may lie behind others
+            room -= len(self._carry)
+            if room <= 0 or sum(map(record_rows, self._carry)) >= self.max_rows:
+                return []
+        return [self._record(m) for m in self.consumer.consume(room, timeout_s) if m.error() is None]
+
+    def _bounded(self, records: list[Record]) -> list[Record]:
+        """The first records, in (topic, partition, offset) order, up to `max_rows` rows (at least one
+        record); the rest are carried to the next poll."""
+        records.sort(key=lambda r: (r.topic, r.partition, r.offset))
+        rows, cut = 0, len(records)
+        for i, r in enumerate(records):
+            rows += record_rows(r)
+            if rows > self.max_rows and i > 0:
+                cut = i
+                break
+        records, self._carry = records[:cut], records[cut:]
         return records
 
     def _drop_committed_ranges(self) -> None:
@@ -191,3 +224,12 @@ class Sink:
                 "sink_commits": self.commits, "sink_replayed_polls": self.replayed_polls,
                 "sink_store_down_s": (self.clock() - self.outage.down_since if self.outage.down_since is not None
                                       else 0.0)}
+
+
+def record_rows(record: Record) -> int:
+    """The rows a record will insert, for bounding a poll: its fs-count header (the decoder refuses a
+    record whose header disagrees with its payload), else one row per BYTES_PER_UNCOUNTED_ROW bytes."""
+    count = record.header(H_COUNT)
+    if count is not None and count.isascii() and count.isdigit() and len(count) <= 12:
+        return max(int(count), 1)
+    return max(len(record.value or b"") // BYTES_PER_UNCOUNTED_ROW, 1)
