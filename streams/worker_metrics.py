@@ -1,7 +1,8 @@
 """The worker's /metrics: its own health, and the results (scores, anomalies, diagnoses) of the jobs it sees.
 
 - Self-metrics are read from the processor's snapshot when Prometheus scrapes (the same numbers as the query
-  endpoint's /stats), so the data path is untouched; the flush latency histogram times each flush.
+  endpoint's /stats), so the data path is untouched; the flush latency histogram times each flush, and dead
+  letters are counted by reason category (dlq_reasons.py) as the flush publishes them.
 - Results come from the worker's own output topics, read by a consumer of their own group
   (`<consumer_group>-metrics`): with several workers each exports the jobs of the partitions it is given, so a
   job's series come from one worker. One gauge per (job, rank) holds the latest score and threshold, labelled
@@ -22,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from fleetscope import wire
 from fleetscope.kafka_settings import client_conf
 from fleetscope.metrics_endpoint import JobSeries, MetricsEndpoint
+from fleetscope.streams.dlq_reasons import DeadLetterCounter
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +199,14 @@ class WorkerMetrics:
             with self.flush_seconds.time():
                 return run_flush(job)
         processor.run_flush = timed_flush
+        self.dead_letters = DeadLetterCounter(self.registry, "worker")
+        publish_dead = processor.dead.publish
+
+        def counted_dead(rows, batches=None):  # each dead letter the worker publishes, by reason category
+            for _, _, reason in rows:
+                self.dead_letters.count(reason)
+            return publish_dead(rows, batches)
+        processor.dead.publish = counted_dead
         self.results = ResultMetrics(self.registry, cfg.metrics_job_expire_s)
         self.reader = ResultReader(cfg, bootstrap, self.results)
         self.endpoint = MetricsEndpoint.from_config(cfg, self.registry, "worker")

@@ -82,6 +82,7 @@ class Config:
     # address; port -1 turns it off, 0 takes any free port. Result series of a job idle this long are removed.
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 9464
+    sink_metrics_port: int = 9465  # `fleetscope sink`'s /metrics, on metrics_address (it often shares a node)
     metrics_job_expire_s: float = 600.0
     # `fleetscope alert`: where incidents go (either or both), per-tenant routing labels ("tenant:label=value")
     # and webhooks ("tenant=url"), when an incident without new culprit windows resolves, and how often a firing
@@ -173,8 +174,9 @@ class Config:
             raise ConfigError(f"proc_interval_s={self.proc_interval_s}: must lie in [0.1, 60] seconds")
         if self.trace_duty_period_s < 0.2 or self.trace_poll_s <= 0:
             raise ConfigError("trace_duty_period_s must be >= 0.2 s and trace_poll_s > 0")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port={self.metrics_port}: must be -1 (off), 0 (any free port) or a TCP port")
+        for name in ("metrics_port", "sink_metrics_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be -1 (off), 0 (any free port) or a TCP port")
         if self.sink_max_rows_per_insert < 1:
             raise ConfigError(f"sink_max_rows_per_insert={self.sink_max_rows_per_insert}: must be >= 1")
         if self.alert_resolve_s <= 0 or self.alert_resend_s <= 0 or self.metrics_job_expire_s <= 0:
@@ -215,7 +217,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_MAX_FUTURE_SKEW_S": "max_future_skew_s", "FLEETSCOPE_STORE_ERROR_LOG_S": "store_error_log_s",
     "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s", "FLEETSCOPE_SINK_MAX_ROWS_PER_INSERT": "sink_max_rows_per_insert",
     **{f"FLEETSCOPE_{name.upper()}": name for name in (
-        "metrics_address", "metrics_port", "metrics_job_expire_s", "alert_alertmanager_url", "alert_webhook_url",
+        "metrics_address", "metrics_port", "sink_metrics_port", "metrics_job_expire_s", "alert_alertmanager_url", "alert_webhook_url",
         "alert_tenant_labels", "alert_tenant_webhooks", "alert_resolve_s", "alert_resend_s")},
     "FLEETSCOPE_TRACE": "trace", "FLEETSCOPE_TRACE_AUTO": "trace_auto", "FLEETSCOPE_TRACE_PIDS": "trace_pids",
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",

@@ -1,7 +1,8 @@
 """`fleetscope sink`: one sink process. It owns the store (chDB allows one process per data
 directory), applies the migrations, and serves the loopback endpoint that `fleetscope query` and
-`fleetscope up`'s status line use. Any number of sinks share the group `<consumer_group>-sink`
-against a ClickHouse server; on the embedded chDB, one."""
+`fleetscope up`'s status line use, and /metrics on `metrics_address:sink_metrics_port` (sink_metrics.py).
+Any number of sinks share the group `<consumer_group>-sink` against a ClickHouse server; on the embedded
+chDB, one."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +14,7 @@ from fleetscope.store import open_store
 from fleetscope.store.endpoint import QueryEndpoint
 from fleetscope.topics import prepare_topics
 from fleetscope.streams.sink.consumer import POLL_RECORDS, Sink, sink_topics
+from fleetscope.streams.sink.sink_metrics import SinkMetrics
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +26,15 @@ def run_sink(cfg, bootstrap: str, stop: threading.Event | None = None) -> None:
     applied = store.migrate()
     if applied:
         log.info("applied migrations: %s", ", ".join(applied))
+    metrics = SinkMetrics(cfg, store)  # the sink writes through metrics.store, which counts each insert
     consumer = Consumer(client_conf(cfg, bootstrap, **{
         "group.id": f"{cfg.consumer_group}-sink", "enable.auto.commit": False, "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": 50, "queued.max.messages.kbytes": 65536, "session.timeout.ms": 6000,
-        "heartbeat.interval.ms": 1000, "client.id": "fleetscope-sink"}))
+        "heartbeat.interval.ms": 1000, "client.id": "fleetscope-sink", **metrics.consumer_settings()}))
     producer = Producer(client_conf(cfg, bootstrap, **{"acks": "all", "enable.idempotence": True,
                                                         "client.id": "fleetscope-sink"}))
-    sink = Sink(cfg, store, consumer, producer, poll_records=POLL_RECORDS)
+    sink = Sink(cfg, metrics.store, consumer, producer, poll_records=POLL_RECORDS)
+    metrics.watch(sink)
     consumer.subscribe(sink_topics(cfg), on_assign=sink.on_assign)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -38,9 +42,11 @@ def run_sink(cfg, bootstrap: str, stop: threading.Event | None = None) -> None:
             signal.signal(sig, lambda *_: stop.set())
     endpoint = QueryEndpoint(store, cfg.data_dir, stats_provider=sink.snapshot)
     endpoint.start()
+    metrics.start()
     try:
         sink.run(stop)
     finally:
+        metrics.stop()
         endpoint.stop()
         consumer.close()
         store.close()
