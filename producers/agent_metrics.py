@@ -2,7 +2,8 @@
 
 Nothing on the sampling path changes: a collector reads the same numbers the agent publishes as its
 `agent` health events (the publisher's counters, events sampled, and each stat source, such as the tracer
-manager's errors and the governor's duties), so a scrape costs the agent nothing between scrapes.
+manager's errors and the governor's duties), plus the probe hits per family its overhead governor counts,
+so a scrape costs the agent nothing between scrapes.
 """
 from __future__ import annotations
 
@@ -84,6 +85,28 @@ class AgentCollector:
                     family.add_metric([host, tracer, fam], float(value))
         yield duty
         yield shed
+        hits = CounterMetricFamily("fleetscope_agent_probe_hits", "probe hits per tracer and family, as the "
+                                   "governor counted them at its last period", labels=["host", "tracer", "family"])
+        for (tracer, fam), n in probe_hits(self.agent).items():
+            hits.add_metric([host, tracer, fam], float(n))
+        yield hits
+
+
+def probe_hits(agent) -> dict[tuple[str, str], int]:
+    """(tracer, family) -> cumulative hits, from the overhead governor of the agent's tracer manager (the
+    `trace` source holds it as .manager once its programs compiled; a bare manager is its own)."""
+    out: dict[tuple[str, str], int] = {}
+    for source in list(agent.stat_sources):
+        governor = getattr(getattr(source, "manager", source), "governor", None)
+        if governor is None:
+            continue
+        try:
+            families = list(governor.families.items())
+        except RuntimeError:  # a tracer (un)registered during this scrape: report it at the next
+            continue
+        for key, state in families:
+            out[key] = out.get(key, 0) + int(state.last_hits)
+    return out
 
 
 def start_agent_metrics(cfg, agent) -> MetricsEndpoint:
