@@ -1,8 +1,8 @@
-"""/metrics of the agent and the worker, in the Prometheus text format, parsed with prometheus_client's own
-parser: scraped from a real `fleetscope up` run (embedded broker, worker process, agent), and the worker's
-result series (score and threshold per rank, anomalies, diagnoses by KB entry) read from real output topics
-on the real broker, then removed once their job goes idle. There is no separate sink process: the worker
-stores what it consumes, so the sink's numbers (store errors, flush latency) are on the worker's endpoint."""
+"""/metrics of the agent, the worker and the sink, in the Prometheus text format, parsed with prometheus_client's
+own parser: scraped from a real `fleetscope up` run (embedded broker, sink and worker processes, agent), and
+the worker's result series (score and threshold per rank, anomalies, diagnoses by KB entry) read from real
+output topics on the real broker, then removed once their job goes idle. The sink's own counts (dead letters
+by reason, store outage) have their test in test_sink_metrics.py."""
 from __future__ import annotations
 
 import json
@@ -60,6 +60,7 @@ def value(families: dict, name: str, **labels) -> float:
 def test_agent_and_worker_serve_metrics_during_fleetscope_up(tmp_path):
     """Waits are generous polls: a worker on a loaded machine has taken over 90 s to open its store."""
     env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_METRICS_PORT": "0",
+           "FLEETSCOPE_SINK_METRICS_PORT": "0",
            "FLEETSCOPE_TRACE": "", "FLEETSCOPE_NVML": "false", "FLEETSCOPE_HOST": "metrics-test-host"}
     log = open(tmp_path / "up.log", "wb")
     up = subprocess.Popen([sys.executable, "-m", "fleetscope", "up", "--duration", "600", "--plain"], env=env,
@@ -82,6 +83,16 @@ def test_agent_and_worker_serve_metrics_during_fleetscope_up(tmp_path):
         assert worker["fleetscope_worker_event_time_lag_seconds"][0].value >= 0
         flushes = [s for s in worker["fleetscope_worker_flush_seconds"] if s.name.endswith("_count")]
         assert flushes and flushes[0].value > 0  # the histogram times real flushes
+        assert value(worker, "fleetscope_worker_dead_letters") == 0
+        assert {x.labels["reason"] for x in worker["fleetscope_worker_dead_letters"]} >= {"decode", "other"}
+        sink_url = wait_for(lambda: read_metrics_url(tmp_path, "sink"), 300, "the sink's /metrics", up)
+        assert sink_url.startswith("http://127.0.0.1:") and sink_url not in (agent_url, worker_url)
+        sink = wait_for(lambda: (f := scrape(sink_url)) and
+                        value(f, "fleetscope_sink_rows_stored", table="raw_metrics") > 0 and f,
+                        300, "the sink to store raw rows", up)
+        assert value(sink, "fleetscope_sink_inserts", table="raw_metrics") > 0
+        assert value(sink, "fleetscope_sink_store_unavailable") == 0
+        assert value(sink, "fleetscope_sink_dead_letters") == 0
     finally:
         os.killpg(up.pid, signal.SIGINT)
         try:

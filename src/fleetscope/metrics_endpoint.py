@@ -1,10 +1,11 @@
-"""/metrics in the Prometheus text format (prometheus_client) for one process: the agent or the worker.
+"""/metrics in the Prometheus text format (prometheus_client) for one process: the agent, the worker or the sink.
 
 Each process has its own registry (nothing lands in prometheus_client's global one by accident) and serves it
-on `metrics_address:metrics_port`: loopback by default, a configured address in deployments; port -1 turns it
-off and 0 takes any free port. The URL it got is written to `<data_dir>/metrics-<role>.json`, so `fleetscope
-up` (agent and worker on one machine) and tests find both. When the configured port is taken, the endpoint
-takes a free one and says so in one log line rather than stopping the process it watches.
+on `metrics_address:metrics_port` (the sink: `sink_metrics_port`): loopback by default, a configured address in
+deployments; port -1 turns it off and 0 takes any free port. The URL it got is written to
+`<data_dir>/metrics-<role>.json`, so `fleetscope up` (agent, worker and sink on one machine) and tests find them.
+When the configured port is taken, the endpoint takes a free one and says so in one log line rather than
+stopping the process it watches.
 
 JobSeries keeps labelled series bounded: it remembers when each job last updated, and removes every labelset
 of a job idle for longer than `expire_s`.
