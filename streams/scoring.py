@@ -5,7 +5,8 @@ Runs on the flush thread, after the step's feature rows are stored:
   its host's node features of the same window (CPU, memory, IRQ, disk,
   network) as evidence for diagnosis;
 - each node window is scored by the node's own model (model/node.py); a
-  flagged one flags every rank of that host in that window, role `node`;
+  flagged one explains the ranks of that host flagged alike in that window
+  (role `node`), never a rank nothing else flagged (see _attribute_node);
 - each job step's collective rate, and its OFU (the mean of its ranks' own
   GPUs', rank_context.job_gpu_means, added to every rank's evidence), are
   judged against the job's own history (model/job_rate.py); a job-wide
@@ -73,6 +74,7 @@ class ScoringStats:
     node_windows: int = 0  # node windows scored by their node's model
     node_anomalies: int = 0  # of them flagged
     node_attributed: int = 0  # rank-windows flagged with role node
+    node_not_attributed: int = 0  # rank-windows of a flagged node window left as they were (see _attribute_node)
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
@@ -260,19 +262,6 @@ class Scorer:
             evidence[f.index].update(f.features)
             roles[f.index] = JOB if f.kind == "hung" else CULPRIT
             loud_rows.add(f.index)
-        for i, (w, _) in enumerate(members):   # the node's own model flagged this host's window
-            node = self.node_flags.get(w.key[2], start)
-            # not while the job warms up: its own start changes the node (3 gloo ranks starting flagged
-            # their host in the CI run), and the job's model flags nothing then either
-            if node is None or i in loud_rows or not results[i].warm:
-                continue
-            s = results[i]
-            s.is_anomaly = True
-            s.detectors.append("node")
-            roles[i] = NODE
-            explained[i] = {**node.contributions, **explained.get(i, {})}
-            joined_z[i] = {**joined_z[i], **node.history_z}   # the node against its own past
-            self.stats.node_attributed += 1
         rate = self.job_rates.step((tenant, job), start, evidence)
         if rate is not None:
             for v in evidence:
@@ -283,6 +272,7 @@ class Scorer:
         if rate is not None and rate.ofu_flagged and self._flag_job(results, roles, loud_rows, explained, "job_ofu",
                                                                     "job_ofu_ratio", rate.features):
             self.stats.job_ofu_flags += 1
+        self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z)
         culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
                           | {g.key[3] for g, _, _ in ghosts})
         for i, ((w, _), s) in enumerate(zip(members, results)):
@@ -293,6 +283,37 @@ class Scorer:
         for ghost, s, features in ghosts:
             scored.append((ghost, s, CULPRIT))
             flagged.append((ghost, s, features, CULPRIT, culprits, {}, features))
+
+    def _attribute_node(self, start, members, results, roles, loud_rows, explained, joined_z) -> None:
+        """A flagged node window explains its host's ranks when every one of them is flagged and none waits.
+
+        It flags no rank by itself: the job is most of its node's load, so one rank stalling moves its node's
+        CPU and memory too (the dev scenarios' dataloader stall flagged the node in 25 of its 29 fault windows,
+        and, attributed to every rank, made 99 of its 118 flagged rank-windows, most of its 87 false positives),
+        and a node change that no rank feels has no impact on the job. What the node does, it does to all of its ranks: when each rank of the host is
+        flagged (by the model, as a culprit, or by the job's rate) and none is waiting for another, they get
+        role node, with the node's contributions and its z against its own past, so the diagnosis reads the
+        node's change. One culprit among healthy peers on the same host is its own cause and keeps its role.
+        """
+        by_host: dict[str, list[int]] = {}
+        for i, (w, _) in enumerate(members):
+            by_host.setdefault(w.key[2], []).append(i)
+        for host, rows in by_host.items():
+            node = self.node_flags.get(host, start)
+            if node is None:
+                continue
+            # not while the job warms up: its own start changes the node (3 gloo ranks starting flagged
+            # their host in the CI run), and the job's model flags nothing then either
+            rows = [i for i in rows if i not in loud_rows and results[i].warm]
+            if not rows or not all(results[i].is_anomaly and roles[i] != WAITING for i in rows):
+                self.stats.node_not_attributed += len(rows)
+                continue
+            for i in rows:
+                results[i].detectors.append("node")
+                roles[i] = NODE
+                explained[i] = {**node.contributions, **explained.get(i, {})}
+                joined_z[i] = {**joined_z[i], **node.history_z}   # the node against its own past
+                self.stats.node_attributed += 1
 
     @staticmethod
     def _flag_job(results, roles, loud_rows, explained, detector: str, feature: str, features: dict) -> bool:

@@ -414,15 +414,27 @@ def contended_host_batch(host: str, ts: int, rng, busy: bool) -> Batch:
     return Batch("host", host, cols, created_ns=ts)
 
 
-def noisy_node_batches(tick: int, rng) -> list[Batch]:
+def noisy_node_batches(tick: int, rng, felt: bool = True) -> list[Batch]:
     """The healthy NCCL job (no straggler: the fault is not in the job), with node-a's CPUs taken by a
-    competing process in the CONTENDED windows; the ranks' own rows do not change."""
+    competing process in the CONTENDED windows. felt: node-a's ranks (0-2) compute slower then, so they
+    arrive last at each all-reduce (less NCCL wait, fewer kernels) and node-b's ranks wait for them;
+    not felt: the ranks' own rows do not change."""
     window = tick // 2
     ts = T0 + tick * TICK + TICK // 2
-    out = [b for b in tick_batches(tick, rng) if b.source != "host"
-           and not (int(b.columns["rank"][0]) == STRAGGLER)]
+    contended = window in CONTENDED
+    out = [b for b in tick_batches(tick, rng) if b.source != "host" and not (int(b.columns["rank"][0]) == STRAGGLER)]
     out += [rank_batch(b.source, STRAGGLER, ts, rows) for b, rows in _healthy_rows(tick, rng)]
-    out += [contended_host_batch(h, ts, rng, h == "node-a" and window in CONTENDED) for h in ("node-a", "node-b")]
+    if felt and contended:
+        out = [b for b in out if b.source == "host"]
+        for r in range(RANKS):
+            on_a = r < 3
+            nccl = [("nccl.calls", "AllReduce", 20, TICK), ("nccl.dur_ns", "AllReduce",
+                                                            (0.08 if on_a else 0.55) * TICK, TICK)]
+            cuda = [("cuda.calls", "cudaLaunchKernel", (300 if on_a else 500) * (1 + 0.03 * rng.standard_normal()),
+                     TICK), ("cuda.calls", "cudaStreamSynchronize", 20, TICK),
+                    ("cuda.dur_ns", "cudaStreamSynchronize", (0.40 if on_a else 0.10) * TICK, TICK)]
+            out += [rank_batch("nccl", r, ts, nccl), rank_batch("cuda", r, ts, cuda)]
+    out += [contended_host_batch(h, ts, rng, h == "node-a" and contended) for h in ("node-a", "node-b")]
     return out
 
 
@@ -439,11 +451,11 @@ def _healthy_rows(tick: int, rng):
     return [(rank_batch("nccl", STRAGGLER, ts, nccl), nccl), (rank_batch("cuda", STRAGGLER, ts, cuda), cuda)]
 
 
-def test_a_busy_node_flags_its_ranks_with_role_node_and_is_diagnosed_as_cpu_contention(store, tmp_path):
-    """Node-level scoring: node-a's own window (host counters) is scored by node-a's model; while a process
-    outside the job loads its CPUs, ranks 0-2 (node-a) are flagged with role node, though their own rows
-    are those of healthy ranks, and diagnosed cpu_contention_noisy_neighbour; node-b's ranks are not.
-    Host rows as the host sampler sends them, written here."""
+def test_a_busy_node_that_slows_its_ranks_explains_them_with_role_node_and_cpu_contention(store, tmp_path):
+    """Node-level scoring: node-a's own window (host counters) is scored by node-a's model. While a process
+    outside the job loads its CPUs, node-a's ranks 0-2 compute slower and node-b's wait for them: ranks 0-2
+    are flagged with role node and diagnosed cpu_contention_noisy_neighbour; node-b's ranks never get role
+    node. Host rows as the host sampler sends them, written here."""
     proc = processor(store, tmp_path, FakeClock())
     run(proc, range(2 * 40), np.random.default_rng(13), [0], batches=noisy_node_batches)
     snap = proc.snapshot()
@@ -455,7 +467,6 @@ def test_a_busy_node_flags_its_ranks_with_role_node_and_is_diagnosed_as_cpu_cont
     node_flags = {(r, w) for (r, w), (a, role) in roles.items() if a and role == "node"}
     on_a = [(r, w) for r in range(3) for w in CONTENDED]
     assert len(node_flags & set(on_a)) >= 0.9 * len(on_a), sorted(node_flags)
-    assert {(r, ONSET) for r in range(3)} <= node_flags or {(r, ONSET + 1) for r in range(3)} <= node_flags
     assert all(r < 3 for r, _ in node_flags), sorted(node_flags)          # node-b's ranks: never
     # healthy windows of both nodes: at most 2% flagged (as for the ranks' own model)
     healthy = [(r, w) for (r, w), (a, _) in roles.items() if a and w not in CONTENDED and r >= 0 and w >= WARMUP]
@@ -470,6 +481,21 @@ def test_a_busy_node_flags_its_ranks_with_role_node_and_is_diagnosed_as_cpu_cont
     assert all(entry == "cpu_contention_noisy_neighbour" for entry, _ in diagnosed), diagnosed
     # the node against its own history: far busier than it usually is
     assert all(ev["cpu_busy_frac"] >= 0.8 and ev["peer_z.cpu_busy_frac"] >= 3 for _, ev in diagnosed)
+
+
+def test_a_busy_node_its_ranks_do_not_feel_flags_the_node_window_but_no_rank(store, tmp_path):
+    """The same busy node-a, but its ranks run as before: node-a's own windows are flagged (stored under
+    tenant _node), while no rank is: a node change the job does not feel has no impact on it (in the dev
+    scenarios such node flags on every rank were most of the false positives)."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(13), [0],
+        batches=lambda tick, rng: noisy_node_batches(tick, rng, felt=False))
+    node_a = q(store, "SELECT toUnixTimestamp64Milli(window_start) FROM scores FINAL WHERE tenant = '_node' "
+                      "AND job = 'node-a' AND is_anomaly")
+    assert len({window_of(ms) for (ms,) in node_a} & set(CONTENDED)) >= 0.9 * len(CONTENDED), node_a
+    flagged = sorted((r, w) for (r, w), (a, _) in roles_of(store).items() if a and r >= 0 and w >= WARMUP)
+    assert len(flagged) <= 0.02 * RANKS * (39 - WARMUP), flagged
+    assert proc.snapshot()["model_node_not_attributed"] >= 3 * len(CONTENDED) * 0.9
 
 
 SLOW = 14   # collectives per 0.5 s tick once the whole job slows down (20 before): iterations ~43% longer
