@@ -93,6 +93,8 @@ class Config:
     alert_tenant_webhooks: tuple[str, ...] = ()
     alert_resolve_s: float = 300.0
     alert_resend_s: float = 60.0
+    # Where `fleetscope alert` keeps its open incidents across restarts; None: <data_dir>/alert-incidents.<group>.json
+    alert_state_file: Path | None = None
     # Agent
     host: str = field(default_factory=socket.gethostname)
     sample_interval_s: float = 1.0
@@ -218,7 +220,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s", "FLEETSCOPE_SINK_MAX_ROWS_PER_INSERT": "sink_max_rows_per_insert",
     **{f"FLEETSCOPE_{name.upper()}": name for name in (
         "metrics_address", "metrics_port", "sink_metrics_port", "metrics_job_expire_s", "alert_alertmanager_url", "alert_webhook_url",
-        "alert_tenant_labels", "alert_tenant_webhooks", "alert_resolve_s", "alert_resend_s")},
+        "alert_tenant_labels", "alert_tenant_webhooks", "alert_resolve_s", "alert_resend_s", "alert_state_file")},
     "FLEETSCOPE_TRACE": "trace", "FLEETSCOPE_TRACE_AUTO": "trace_auto", "FLEETSCOPE_TRACE_PIDS": "trace_pids",
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",

@@ -29,14 +29,15 @@ class Incident:
     last_window_ns: int
     max_score: float
     threshold: float
-    window_starts: set[int] = field(default_factory=set)
+    window_starts: set[int] = field(default_factory=set)  # for counting each window once; bounded
+    window_count: int = 0  # distinct windows counted (a restored incident keeps only its newest starts)
     kb_entries: dict[str, float] = field(default_factory=dict)  # entry -> best confidence
     last_seen: float = 0.0           # monotonic time of the newest window's arrival
     resolved_at_ns: int | None = None
 
     @property
     def windows(self) -> int:
-        return len(self.window_starts)
+        return self.window_count
 
     @property
     def firing(self) -> bool:
@@ -63,6 +64,23 @@ class IncidentBook:
         self.sent_at: dict[IncidentKey, float] = {}
         self.pending: list[Notification] = []
         self.skipped_waiting = 0
+        self.changes = 0  # bumped by every change to the open incidents, so a saver knows when to write
+
+    def restore(self, inc: Incident, quiet_for_s: float) -> None:
+        """Adopt an incident a previous process delivered and saved, silent for `quiet_for_s` already.
+
+        Its open was delivered, so none is sent again; a resend is due at once, so Alertmanager hears it
+        still fires (the same labels: the same alert) even if the restart outlasted its resolve timeout.
+        """
+        now = self.clock()
+        inc.last_seen = now - max(0.0, quiet_for_s)
+        self.open[inc.key] = inc
+        self.sent_at[inc.key] = now - self.resend_s
+        self.changes += 1
+
+    def last_seen_wall_ns(self, inc: Incident) -> int:
+        """When the incident's newest window arrived, on the wall clock (monotonic time ends with the process)."""
+        return self.wall_ns() - int((self.clock() - inc.last_seen) * 1e9)
 
     def observe(self, record: dict, kb_matches: list[dict] | None = None) -> None:
         """One anomaly (or diagnosis) message, decoded; `kb_matches` are a diagnosis's matches."""
@@ -86,8 +104,10 @@ class IncidentBook:
         new_window = start not in inc.window_starts
         if new_window and len(inc.window_starts) < MAX_WINDOWS_KEPT:
             inc.window_starts.add(start)
+            inc.window_count += 1
         if new_window:
             inc.last_seen = now
+            self.changes += 1
         inc.first_window_ns, inc.last_window_ns = min(inc.first_window_ns, start), max(inc.last_window_ns, start)
         inc.max_score = max(inc.max_score, score)
         changed = False
@@ -96,8 +116,10 @@ class IncidentBook:
             if entry and conf > inc.kb_entries.get(entry, -1.0):
                 changed = changed or entry not in inc.kb_entries
                 inc.kb_entries[entry] = conf
-        if changed and not any(n.incident is inc for n in self.pending):
-            self.pending.append(Notification("update", inc))
+        if changed:
+            self.changes += 1
+            if not any(n.incident is inc for n in self.pending):
+                self.pending.append(Notification("update", inc))
 
     def due(self) -> list[Notification]:
         """Everything to send now: opens and updates observed, resends of firing alerts, resolves."""
@@ -108,6 +130,7 @@ class IncidentBook:
                 inc.resolved_at_ns = self.wall_ns()
                 del self.open[key]
                 self.sent_at.pop(key, None)
+                self.changes += 1
                 out = [n for n in out if n.incident is not inc] + [Notification("resolve", inc)]
             elif key in self.sent_at and now - self.sent_at[key] >= self.resend_s \
                     and not any(n.incident is inc for n in out):

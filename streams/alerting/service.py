@@ -3,8 +3,8 @@
 Delivery is at least once: the consumer's offsets are committed only once every notification that the
 consumed messages caused has reached its receiver. While a receiver is down the service retries with backoff
 and consumes nothing more (its partitions are paused, the group membership kept), so a restart re-reads what
-was not delivered. Incidents live in memory: after a restart, an incident whose messages were all committed
-is not resolved by this process (Alertmanager resolves it on its own once re-posts stop).
+was not delivered. The open incidents are saved to a file (incident_file.py) before each commit and loaded at
+start, so an incident whose messages were all committed before a restart is still resolved by the new process.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fleetscope.kafka_settings import client_conf
 from fleetscope.streams.alerting.alertmanager import API_PATH, postable_alert
 from fleetscope.streams.alerting.delivery import Backoff, Post, post_json
+from fleetscope.streams.alerting.incident_file import IncidentFile, default_path
 from fleetscope.streams.alerting.incidents import IncidentBook, Notification, RecordError
 from fleetscope.streams.alerting.routing import Routing
 from fleetscope.streams.alerting.webhook import webhook_payload
@@ -34,6 +35,8 @@ class AlertStats:
     posts_delivered: int = 0
     post_failures: int = 0
     commits: int = 0
+    incidents_restored: int = 0  # loaded from the state file at start
+    state_save_failures: int = 0  # the state file could not be written: nothing was committed until it was
 
 
 class AlertService:
@@ -47,6 +50,8 @@ class AlertService:
         self.stats = AlertStats()
         self.stopping = threading.Event()
         self.topics = {cfg.topic("anomalies"): "anomaly", cfg.topic("diagnoses"): "diagnosis"}
+        self.state = IncidentFile(cfg.alert_state_file or default_path(cfg.data_dir, self.group))
+        self.saved_changes = self.book.changes
 
     def stop(self) -> None:
         self.stopping.set()
@@ -57,6 +62,10 @@ class AlertService:
         consumer = Consumer(client_conf(self.cfg, self.bootstrap, **{
             "group.id": self.group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
             "fetch.wait.max.ms": 100}))
+        self.stats.incidents_restored = self.state.load(self.book)
+        self.saved_changes = self.book.changes
+        if self.stats.incidents_restored:
+            log.info("restored %d open incidents from %s", self.stats.incidents_restored, self.state.path)
         consumer.subscribe(list(self.topics))
         deadline = None if duration_s is None else time.monotonic() + duration_s
         uncommitted = False
@@ -69,16 +78,51 @@ class AlertService:
                         continue
                     self._handle(m.topic(), m.value())
                     uncommitted = True
-                # until nothing is due: messages fetched while a delivery waited add notifications of their own
-                while notes := self.book.due():
-                    if not self._deliver(notes, consumer):
-                        return  # stopping with undelivered notifications: nothing more is committed
+                if not self._deliver_and_save(consumer, uncommitted):
+                    return  # stopping with undelivered notifications or unsaved state: nothing more is committed
                 if uncommitted:
                     consumer.commit(asynchronous=False)
                     self.stats.commits += 1
                     uncommitted = False
         finally:
             consumer.close()
+
+    def _deliver_and_save(self, consumer, uncommitted: bool) -> bool:
+        """Deliver everything due, then save the open incidents; False if asked to stop before both were done.
+
+        The order is delivery, then the state file, then (in run) the offsets' commit:
+        - the file is written after delivery, so it holds only incidents whose open reached the receivers (a
+          restored incident sends no open of its own), and never lacks one whose resolve is still undelivered;
+        - it is written before the commit, because committed messages are never read again: were the commit
+          first, a kill between the two would leave an incident firing at the receivers that no process knows.
+          A kill after the save and before the commit re-reads those messages into the restored incidents,
+          whose windows are already counted; a kill before the save re-reads them and re-opens the incident
+          under the same labels (at least once, as before).
+        """
+        backoff = Backoff()
+        while True:
+            # until nothing is due: messages fetched while a delivery waited add notifications of their own
+            while notes := self.book.due():
+                if not self._deliver(notes, consumer):
+                    return False
+            if not uncommitted and self.book.changes == self.saved_changes:
+                return True
+            changes = self.book.changes
+            try:
+                self.state.save(self.book)
+            except OSError as exc:
+                self.stats.state_save_failures += 1
+                log.warning("could not write the alert state %s (%s): committing nothing until it is written; "
+                            "free space or set alert_state_file to a writable path", self.state.path, exc)
+            else:
+                self.saved_changes = changes
+                return True
+            consumer.pause(consumer.assignment())
+            try:
+                if self._sleep(backoff.wait_s(), consumer):
+                    return False
+            finally:
+                consumer.resume(consumer.assignment())
 
     def _handle(self, topic: str, value: bytes | None) -> None:
         self.stats.consumed += 1
