@@ -74,6 +74,7 @@ class ScoringStats:
     node_windows: int = 0  # node windows scored by their node's model
     node_anomalies: int = 0  # of them flagged
     node_attributed: int = 0  # rank-windows flagged with role node
+    job_alike_unflagged: int = 0  # rank-windows flagged alike across a whole step, left to job_rate
     node_not_attributed: int = 0  # rank-windows of a flagged node window left as they were (see _attribute_node)
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
@@ -273,6 +274,7 @@ class Scorer:
                                                                     "job_ofu_ratio", rate.features):
             self.stats.job_ofu_flags += 1
         self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z)
+        self._unflag_job_alike(results, roles, loud_rows)
         culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
                           | {g.key[3] for g, _, _ in ghosts})
         for i, ((w, _), s) in enumerate(zip(members, results)):
@@ -283,6 +285,20 @@ class Scorer:
         for ghost, s, features in ghosts:
             scored.append((ghost, s, CULPRIT))
             flagged.append((ghost, s, features, CULPRIT, culprits, {}, features))
+
+    def _unflag_job_alike(self, results, roles, loud_rows) -> None:
+        """Every rank flagged alike by its own model, with no rank waiting for another and neither the job's
+        rate nor the node explaining it, is a change the whole job shares: the job's own history judges
+        those (job_rate.py), not each rank's model. On a busy host the whole job hiccups together (the dev
+        scenarios' healthy run: 10 such steps flagged all three ranks at once, a third of its false positives).
+        """
+        if len(results) < 2 or loud_rows or not all(s.is_anomaly and roles[i] == CULPRIT
+                                                     for i, s in enumerate(results)):
+            return
+        for i, s in enumerate(results):
+            s.is_anomaly = False
+            roles[i] = ""
+        self.stats.job_alike_unflagged += len(results)
 
     def _attribute_node(self, start, members, results, roles, loud_rows, explained, joined_z) -> None:
         """A flagged node window explains its host's ranks when every one of them is flagged and none waits.

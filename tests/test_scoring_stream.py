@@ -671,3 +671,35 @@ def test_a_job_starting_on_a_warm_node_is_not_flagged_node_while_it_warms_up(sto
     warming = {(r, w) for (r, w), (a, role) in roles.items() if a and role == "node" and r >= 0
                and w < JOB_STARTS + WARMUP}
     assert warming == set(), sorted(warming)
+
+
+ALIKE = (30, 31)   # windows in which every rank's kernel launches jump together (a shared hiccup)
+
+
+def alike_batches(tick: int, rng) -> list[Batch]:
+    """The healthy NCCL job; in the ALIKE windows every rank launches 3x its kernels, collectives as before."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    out = [b for b in tick_batches(tick, rng) if b.source != "host" and not (int(b.columns["rank"][0]) == STRAGGLER)]
+    out += [rank_batch(b.source, STRAGGLER, ts, rows) for b, rows in _healthy_rows(tick, rng)]
+    if window in ALIKE:
+        out = [b for b in out if b.source != "cuda"]
+        for r in range(RANKS):
+            out.append(rank_batch("cuda", r, ts, [
+                ("cuda.calls", "cudaLaunchKernel", 1500 * (1 + 0.03 * rng.standard_normal()), TICK),
+                ("cuda.calls", "cudaStreamSynchronize", 20, TICK), ("cuda.dur_ns", "cudaStreamSynchronize",
+                                                                    0.10 * TICK, TICK)]))
+    out += [host_batch(h, ts, rng) for h in ("node-a", "node-b")]
+    return out
+
+
+def test_every_rank_flagged_alike_with_the_jobs_rate_unchanged_is_left_to_the_job_detectors(store, tmp_path):
+    """A change every rank shows at once, with no rank waiting for another, the collective rate as before
+    and no node flag, is not an anomaly of any rank: the model flags all six in the ALIKE windows, and the
+    step keeps none of them (the job-level detectors judge job-wide changes against the job's history)."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(21), [0], batches=alike_batches)
+    flagged = sorted((r, w) for (r, w), (a, _) in roles_of(store).items() if a and r >= 0 and w >= WARMUP)
+    assert not [f for f in flagged if f[1] in ALIKE], flagged
+    stats = proc.snapshot()
+    assert stats["model_job_alike_unflagged"] >= RANKS * len(ALIKE) * 0.5, stats  # the model did flag them
