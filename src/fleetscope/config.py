@@ -219,7 +219,8 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_MAX_FUTURE_SKEW_S": "max_future_skew_s", "FLEETSCOPE_STORE_ERROR_LOG_S": "store_error_log_s",
     "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s", "FLEETSCOPE_SINK_MAX_ROWS_PER_INSERT": "sink_max_rows_per_insert",
     **{f"FLEETSCOPE_{name.upper()}": name for name in (
-        "metrics_address", "metrics_port", "sink_metrics_port", "metrics_job_expire_s", "alert_alertmanager_url", "alert_webhook_url",
+        "metrics_address", "metrics_port", "sink_metrics_port", "metrics_job_expire_s", "alert_alertmanager_url",
+        "alert_webhook_url",
         "alert_tenant_labels", "alert_tenant_webhooks", "alert_resolve_s", "alert_resend_s", "alert_state_file")},
     "FLEETSCOPE_TRACE": "trace", "FLEETSCOPE_TRACE_AUTO": "trace_auto", "FLEETSCOPE_TRACE_PIDS": "trace_pids",
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
