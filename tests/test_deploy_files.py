@@ -276,7 +276,7 @@ def test_workers_sinks_migrations_monitors_and_secrets_are_all_there():
     assert {("Deployment", "fleetscope-streams"), ("Deployment", "fleetscope-sink")} <= names
     assert any(kind == "Job" for kind, _ in names)
     monitors = by_kind("ServiceMonitor")
-    assert len(monitors) == 2 and all(e["port"] == "metrics" for m in monitors for e in m["spec"]["endpoints"])
+    assert len(monitors) == 3 and all(e["port"] == "metrics" for m in monitors for e in m["spec"]["endpoints"])
     services = by_kind("Service")
     for m in monitors:  # each monitor finds a Service with a port named `metrics`
         assert any(s["metadata"]["labels"].items() >= m["spec"]["selector"]["matchLabels"].items()
@@ -292,6 +292,61 @@ def test_workers_sinks_migrations_monitors_and_secrets_are_all_there():
     holders = {d["metadata"]["name"] for d in by_kind("Deployment") + by_kind("Job")
                if "fleetscope-clickhouse" in json.dumps(d)}
     assert holders == {"fleetscope-sink"} | {j["metadata"]["name"] for j in by_kind("Job")}
+
+
+# every process that serves /metrics, with the setting that names its port
+SCRAPED = (("DaemonSet", "fleetscope-agent", "metrics_port"), ("Deployment", "fleetscope-streams", "metrics_port"),
+           ("Deployment", "fleetscope-sink", "sink_metrics_port"))
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and labels.items() >= selector.items()
+
+
+@pytest.mark.parametrize("kind, name, port_setting", SCRAPED, ids=[n for _, n, _ in SCRAPED])
+def test_each_metrics_endpoint_is_bound_exposed_and_scraped_on_its_configured_port(kind, name, port_setting):
+    """Pod -> Service -> ServiceMonitor, followed the way Kubernetes and prometheus-operator follow them: the
+    container serves on its pod's address at the port its setting defaults to, a headless Service selects the pod
+    and names that port `metrics`, and a ServiceMonitor selects the Service and scrapes /metrics on it."""
+    from fleetscope.config import Config
+    port = getattr(Config(), port_setting)
+    (workload,) = [d for d in by_kind(kind) if d["metadata"]["name"] == name]
+    template = workload["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p for p in container.get("ports", [])}
+    assert "metrics" in ports, f"{name}: no container port named metrics"
+    assert ports["metrics"]["containerPort"] == port, f"{name} serves /metrics on {port_setting} ({port})"
+    env = {e["name"]: e for e in container["env"]}
+    address = env.get("FLEETSCOPE_METRICS_ADDRESS", {})
+    assert address.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP", (
+        f"{name}: /metrics binds to loopback unless FLEETSCOPE_METRICS_ADDRESS names the pod's address")
+    env_port = {"metrics_port": "FLEETSCOPE_METRICS_PORT", "sink_metrics_port": "FLEETSCOPE_SINK_METRICS_PORT"}
+    if env_port[port_setting] in env:  # a manifest that moves the port must move the container port with it
+        assert int(env[env_port[port_setting]]["value"]) == port
+
+    services = [s for s in by_kind("Service") if selects(s["spec"].get("selector", {}), template["metadata"]["labels"])
+                and any(p["name"] == "metrics" for p in s["spec"]["ports"])]
+    assert services, f"no Service with a port named metrics selects {name}'s pods"
+    for service in services:
+        assert service["spec"].get("clusterIP") == "None", "headless: Prometheus scrapes every pod"
+        (metrics,) = [p for p in service["spec"]["ports"] if p["name"] == "metrics"]
+        assert metrics["targetPort"] in ("metrics", port) and metrics["port"] == port
+    monitors = [m for m in by_kind("ServiceMonitor")
+                if any(selects(m["spec"]["selector"]["matchLabels"], s["metadata"]["labels"]) for s in services)]
+    assert monitors, f"no ServiceMonitor selects {name}'s metrics Service"
+    for monitor in monitors:
+        assert workload["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
+        assert any(e["port"] == "metrics" and e.get("path", "/metrics") == "/metrics"
+                   for e in monitor["spec"]["endpoints"])
+
+
+@pytest.mark.parametrize("service, port_setting", [("streams", "metrics_port"), ("sink", "sink_metrics_port")])
+def test_compose_workers_and_sink_serve_metrics_on_the_compose_network(compose, service, port_setting):
+    """In a container, loopback is the container's own: /metrics must bind to every address to be scraped."""
+    from fleetscope.config import Config
+    spec = compose["services"][service]
+    assert spec["environment"].get("FLEETSCOPE_METRICS_ADDRESS") == "0.0.0.0", service
+    assert str(getattr(Config(), port_setting)) in [str(p) for p in spec.get("expose", [])], service
 
 
 # ---- the images' health check ------------------------------------------------------------------------------
