@@ -29,6 +29,10 @@ window can sum them. The last CPU is the exception: row ``proc.last_cpu``,
 device ``cpu<N>``, value N (a gauge), so that a window keeps every CPU the
 rank was seen on, not only the last; the worker compares them with where the
 node's interrupts land (streams/irq_features.py, irq_rank_cpu_share).
+
+Rows carry the process's identity and, for a process in a pod or container,
+its placement (pod, namespace, container: Identity.placement()), resolved
+once per pid and cached by the resolver; see tracers/rows.py metric_batch.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from typing import NamedTuple
 
 from fleetscope.wire import Batch
 from fleetscope.producers.tracers.discovery import ProcessWatcher, TargetSpec
-from fleetscope.producers.tracers.rows import identity, metric_batch
+from fleetscope.producers.tracers.rows import RowIdentity, identity, metric_batch
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +257,7 @@ class ProcessSampler:
         if from_watcher:
             self.watcher.current.discard(pid)
 
-    def _identity(self, pid: int) -> tuple[str, str, int, int]:
+    def _identity(self, pid: int) :
         return identity(self.resolver, self.host, pid)
 
 

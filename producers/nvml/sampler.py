@@ -2,8 +2,10 @@
 
 Device rows carry the node identity and the GPU index; per-process rows carry
 the identity that `resolver.resolve(pid)` gives (an object with tenant, job
-and rank), or the node identity with the pid when it gives none. Metrics and
-units are listed in producers/nvml/__init__.py.
+and rank, and its placement(): pod, namespace, container), or the node identity
+with the pid when it gives none. The placement columns come only with process
+rows that have one; device rows leave them '' (the batch omits them when no row
+has one). Metrics and units are listed in producers/nvml/__init__.py.
 
 Nothing here crashes the agent. Each degradation gets one log line and one
 status row, and the rest keeps sampling:
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pynvml
 
-from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
+from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, PLACEMENT_COLUMNS, SOURCE_COLUMNS
 from fleetscope.wire import Batch
 from fleetscope.producers.host.columns import BatchIds, NodeIdentityColumns, RepeatingColumn, str_column
 from fleetscope.producers.nvml.calls import DeviceCalls, EntryPoints
@@ -121,7 +123,8 @@ class _Rows:
         self.layout: list[tuple[tuple, str, int]] = []
         self.value: list[float] = []
         self.interval: list[int] = []
-        self.procs: list[tuple] = []  # (metric, device, value, interval_ns, gpu, pid, tenant, job, rank)
+        # (metric, device, value, interval_ns, gpu, pid, tenant, job, rank, pod, namespace, container)
+        self.procs: list[tuple] = []
 
     def add(self, dev: _Device, metrics: tuple, values, intervals=None) -> None:
         self.layout.append((metrics, dev.label, dev.index))
@@ -447,18 +450,26 @@ class NvmlSampler:
         rows.procs.append((metric, dev.label, value, interval_ns, dev.index, pid) + ident)
 
     def _resolve(self, pid: int) -> tuple:
+        """(tenant, job, rank, pod, namespace, container) of a GPU process: the resolver's (which caches it
+        per pid), else unattributed and unplaced. Called once per pid per tick."""
         if self.resolver is None:
-            return None, None, NO_RANK
+            return _UNRESOLVED
         try:
             ident = self.resolver.resolve(pid)
         except Exception:  # a process can exit mid-resolution; its rows still count, unattributed
             self.errors["resolver"] = self.errors.get("resolver", 0) + 1
             log.debug("identity of pid %d not resolved", pid, exc_info=True)
-            return None, None, NO_RANK
+            return _UNRESOLVED
         if ident is None:
-            return None, None, NO_RANK
+            return _UNRESOLVED
         rank = getattr(ident, "rank", None)
-        return ident.tenant or None, ident.job or None, NO_RANK if rank is None else int(rank)
+        placement = getattr(ident, "placement", None)  # resolvers other than IdentityResolver may not know it
+        return (ident.tenant or None, ident.job or None, NO_RANK if rank is None else int(rank),
+                *(placement() if placement is not None else _NO_PLACEMENT))
+
+
+_NO_PLACEMENT = ("", "", "")
+_UNRESOLVED = (None, None, NO_RANK, *_NO_PLACEMENT)
 
 
 _I8, _F8 = np.dtype("<i8"), np.dtype("<f8")
@@ -488,13 +499,17 @@ class _Columns:
         self._batch_id = BatchIds()
 
     def _identity_columns(self, key: tuple) -> tuple:
-        """tenant, job, rank and pid for n_node node rows, then one row per (pid, tenant, job, rank)."""
+        """tenant, job, rank and pid for n_node node rows, then one row per (pid, tenant, job, rank, pod,
+        namespace, container); then pod, namespace and container ('' on node rows) when a process has any."""
         n_node, idents = key
         host = self.host
-        return (str_column([NODE_TENANT] * n_node + [tenant or NODE_TENANT for _, tenant, _, _ in idents]),
-                str_column([host] * n_node + [job or host for _, _, job, _ in idents]),
-                np.array([NO_RANK] * n_node + [rank for _, _, _, rank in idents], dtype="<i4"),
-                np.array([0] * n_node + [pid for pid, _, _, _ in idents], dtype="<i4"))
+        columns = (str_column([NODE_TENANT] * n_node + [i[1] or NODE_TENANT for i in idents]),
+                   str_column([host] * n_node + [i[2] or host for i in idents]),
+                   np.array([NO_RANK] * n_node + [i[3] for i in idents], dtype="<i4"),
+                   np.array([0] * n_node + [i[0] for i in idents], dtype="<i4"))
+        if all(i[4:] == _NO_PLACEMENT for i in idents):
+            return columns
+        return columns + tuple(str_column([""] * n_node + [i[k] for i in idents]) for k in (4, 5, 6))
 
     def batch(self, pending: list[tuple], rows: _Rows, now_ns: int) -> Batch:
         """Status rows, device rows, then process rows."""
@@ -513,15 +528,16 @@ class _Columns:
             value = value + [p[2] for p in procs]
             interval = interval + [p[3] for p in procs]
             # Kept per layout too: the same processes usually hold the GPUs from one read to the next.
-            tenant, job, rank, pid = self._proc_identity((n_node, tuple(p[5:] for p in procs)))
-            columns = {"tenant": tenant, "job": job, "rank": rank, "pid": pid}
+            identity = self._proc_identity((n_node, tuple(p[5:] for p in procs)))
+            columns = dict(zip(("tenant", "job", "rank", "pid", *PLACEMENT_COLUMNS), identity))
         metric, device, gpu = self._layout(layout)
         ts = np.empty(n, dtype=_I8)
         ts.fill(now_ns)
+        placement = {name: columns[name] for name in PLACEMENT_COLUMNS if name in columns}  # process rows only
         return Batch(source="nvml", host=host, created_ns=now_ns, batch_id=self._batch_id(), columns={
             "ts_ns": ts, "tenant": columns["tenant"], "job": columns["job"], "rank": columns["rank"],
             "pid": columns["pid"], "gpu": gpu, "metric": metric, "device": device,
-            "value": np.array(value, dtype=_F8), "interval_ns": np.array(interval, dtype=_I8)})
+            "value": np.array(value, dtype=_F8), "interval_ns": np.array(interval, dtype=_I8), **placement})
 
 
 def build_source(cfg, new_resolver, publish) -> NvmlSampler:

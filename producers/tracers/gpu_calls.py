@@ -33,7 +33,7 @@ from fleetscope.producers.tracers.clock import MonotonicClock
 from fleetscope.producers.tracers.discovery import find_library
 from fleetscope.producers.tracers.duty import DutyClock
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
-from fleetscope.producers.tracers.rows import identity, metric_batch
+from fleetscope.producers.tracers.rows import RowIdentity, identity, metric_batch
 from fleetscope.producers.tracers.uprobes import Link, LinkSet, check_host, load_multi_program, symbol_offset
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ class GpuCallTracer:
     def _decode(self, api: Api, pid: int, arg: list[int]) -> dict:
         return {"arg": arg}
 
-    def _identity(self, pid: int):
+    def _identity(self, pid: int) :
         return identity(self.resolver, self.host, pid)
 
     def close(self) -> None:

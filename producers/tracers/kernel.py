@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fleetscope.wire import Batch
-from fleetscope.producers.tracers.rows import diff, identity, metric_batch
+from fleetscope.producers.tracers.rows import RowIdentity, diff, identity, metric_batch
 from fleetscope.resources import package_dir
 
 log = logging.getLogger(__name__)
@@ -144,5 +144,5 @@ class KernelTracer:
         src, dst = ipaddress.IPv6Address(bytes(k.saddr)), ipaddress.IPv6Address(bytes(k.daddr))
         return f"[{src}]:{k.sport}->[{dst}]:{k.dport}"
 
-    def _identity(self, pid: int) -> tuple[str, str, int, int]:
+    def _identity(self, pid: int) :
         return identity(self.resolver, self.host, pid)

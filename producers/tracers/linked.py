@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from fleetscope.producers.tracers.rows import identity
+from fleetscope.producers.tracers.rows import RowIdentity, identity
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ class LinkedFamilyTracer:
     FAMILIES: dict[str, str] = {}
     source = ""
 
-    def _identity(self, pid: int):
+    def _identity(self, pid: int) :
         return identity(self.resolver, self.host, pid)
 
     def families(self) -> dict[str, str]:

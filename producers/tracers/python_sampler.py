@@ -47,7 +47,7 @@ from pathlib import Path
 from fleetscope.wire import Batch
 from fleetscope.producers.tracers.kernel import TracerUnavailable
 from fleetscope.producers.tracers.python_vm import module_name
-from fleetscope.producers.tracers.rows import identity, metric_batch
+from fleetscope.producers.tracers.rows import RowIdentity, identity, metric_batch
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class PythonSampler:
                      for name, n in own.most_common(self.top_n)]
         return rows
 
-    def _identity(self, pid: int):
+    def _identity(self, pid: int) :
         return identity(self.resolver, self.host, pid)
 
     def close(self) -> None:

@@ -6,21 +6,38 @@ A row is (metric, device, value, pid), or (metric, device, value, pid,
 interval_ns, sample_frac) when it differs from the batch's interval (gauges
 carry interval_ns 0) or from full sampling. Sources whose schema has no
 sample_frac column simply do not get one.
+
+Identity and placement columns are built per process, not per row: a tick
+has a handful of pids and thousands of rows, so each string column is a
+dictionary of the processes' values indexed by each row's process.
 """
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 
-from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, SOURCE_COLUMNS
+from fleetscope.schema import NO_GPU, NO_RANK, NODE_TENANT, PLACEMENT_COLUMNS, SOURCE_COLUMNS
 from fleetscope.wire import Batch, StrColumn
 
 log = logging.getLogger(__name__)
 
+NO_PLACEMENT = ("", "", "")
 
-def identity(resolver, host: str, pid: int) -> tuple[str, str, int, int]:
-    """(tenant, job, rank, gpu): the resolver's answer, else the node's."""
+
+class RowIdentity(NamedTuple):
+    """Who a process's rows belong to, and where it runs (pod, namespace, container: Identity.placement())."""
+
+    tenant: str
+    job: str
+    rank: int
+    gpu: int
+    placement: tuple[str, str, str] = NO_PLACEMENT
+
+
+def identity(resolver, host: str, pid: int) -> RowIdentity:
+    """The resolver's answer (cached per pid by the resolver), else the node's, which has no placement."""
     ident = None
     if pid and resolver is not None:
         try:
@@ -28,10 +45,12 @@ def identity(resolver, host: str, pid: int) -> tuple[str, str, int, int]:
         except Exception:  # a process can exit mid-resolution; its rows still count
             log.debug("identity of pid %d not resolved", pid, exc_info=True)
     if ident is None:
-        return NODE_TENANT, host, NO_RANK, NO_GPU
+        return RowIdentity(NODE_TENANT, host, NO_RANK, NO_GPU)
     gpu = getattr(ident, "gpu", NO_GPU)
-    return (ident.tenant or NODE_TENANT, ident.job or host,
-            NO_RANK if ident.rank is None else int(ident.rank), NO_GPU if gpu is None else int(gpu))
+    placement = getattr(ident, "placement", None)  # resolvers other than IdentityResolver may not know it
+    return RowIdentity(ident.tenant or NODE_TENANT, ident.job or host,
+                       NO_RANK if ident.rank is None else int(ident.rank), NO_GPU if gpu is None else int(gpu),
+                       placement() if placement is not None else NO_PLACEMENT)
 
 
 def diff(prev: dict, current: dict) -> dict:
@@ -47,18 +66,36 @@ def diff(prev: dict, current: dict) -> dict:
     return out
 
 
+def per_process(values: list[str], process_of_row: np.ndarray) -> StrColumn:
+    """A string column from one value per process: a dictionary of the distinct values, then each row's
+    process's code (no Python string per row)."""
+    index: dict[str, int] = {}
+    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.uint32, count=len(values))
+    return StrColumn(codes[process_of_row], tuple(index))
+
+
 def metric_batch(source: str, host: str, rows: list[tuple], now_ns: int, interval: int, identity_of) -> Batch:
-    """One Batch of `rows` for `source`; `identity_of(pid)` is called once per distinct pid."""
+    """One Batch of `rows` for `source`; `identity_of(pid)` (a RowIdentity) is called once per distinct pid.
+
+    The placement columns (pod, namespace, container) are added when some process of the batch has one;
+    a batch of node rows, or of processes outside any pod or container, leaves them out (the store reads '')."""
     n = len(rows)
     full = [r if len(r) == 6 else (*r, interval, 1.0) for r in rows]
     metrics, devices, values, pids, intervals, fracs = zip(*full)
-    idents = {pid: identity_of(pid) for pid in set(pids)}  # one resolve per process per tick
-    tenants, jobs, ranks, gpus = zip(*(idents[p] for p in pids))
-    columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"), "tenant": StrColumn.of(tenants),
-               "job": StrColumn.of(jobs), "rank": np.array(ranks, dtype="<i4"),
-               "pid": np.array(pids, dtype="<i4"), "gpu": np.array(gpus, dtype="<i2"),
+    pid_of_row = np.array(pids, dtype="<i4")
+    distinct, process_of_row = np.unique(pid_of_row, return_inverse=True)
+    idents = [identity_of(int(pid)) for pid in distinct.tolist()]  # one resolve per process per tick
+    columns = {"ts_ns": np.full(n, now_ns, dtype="<i8"),
+               "tenant": per_process([i.tenant for i in idents], process_of_row),
+               "job": per_process([i.job for i in idents], process_of_row),
+               "rank": np.array([i.rank for i in idents], dtype="<i4")[process_of_row],
+               "pid": pid_of_row, "gpu": np.array([i.gpu for i in idents], dtype="<i2")[process_of_row],
                "metric": StrColumn.of(metrics), "device": StrColumn.of(devices),
                "value": np.array(values, dtype="<f8"), "interval_ns": np.array(intervals, dtype="<i8"),
                "sample_frac": np.array(fracs, dtype="<f8")}
-    return Batch(source=source, host=host, created_ns=now_ns,
-                 columns={name: columns[name] for name in SOURCE_COLUMNS[source]})
+    batch_columns = {name: columns[name] for name in SOURCE_COLUMNS[source]}
+    placements = [i.placement for i in idents]
+    if any(p != NO_PLACEMENT for p in placements):
+        for k, name in enumerate(PLACEMENT_COLUMNS):
+            batch_columns[name] = per_process([p[k] for p in placements], process_of_row)
+    return Batch(source=source, host=host, created_ns=now_ns, columns=batch_columns)
