@@ -436,7 +436,8 @@ class NvmlSampler:
         if name in dev.unsupported:
             return
         dev.unsupported.add(name)
-        log.warning("GPU %d does not support %r (NVML: not supported by this GPU or driver); skipping it", dev.index, name)
+        log.warning("GPU %d does not support %r (NVML: not supported by this GPU or driver); skipping it",
+                    dev.index, name)
         self._status("nvml.unsupported", f"{dev.label}:{name}", 1.0, gpu=dev.index)
 
     def _status(self, metric: str, device: str, value: float, gpu: int = NO_GPU) -> None:
