@@ -371,6 +371,18 @@ def test_health_check_follows_a_real_metrics_endpoint(tmp_path):
     assert health(tmp_path).returncode == 1  # stopped: its note is gone, nothing answers
 
 
+def test_health_check_answers_for_a_sink_by_its_metrics_endpoint(tmp_path):
+    """A sink writing to a ClickHouse server serves no loopback store endpoint: its /metrics says it is alive."""
+    from prometheus_client import CollectorRegistry
+    from fleetscope.metrics_endpoint import MetricsEndpoint
+    endpoint = MetricsEndpoint(CollectorRegistry(), "sink", "127.0.0.1", 0, tmp_path).start()
+    try:
+        done = health(tmp_path)
+        assert done.returncode == 0 and done.stdout.strip() == "healthy: sink /metrics", done.stderr
+    finally:
+        endpoint.stop()
+
+
 def test_grafana_in_compose_mounts_the_folder_its_dashboard_provider_reads():
     """The provider (deploy/grafana/provisioning/dashboards) names a path inside the container: the compose
     service must mount the repository's dashboards there, or Grafana starts with none."""

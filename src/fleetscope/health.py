@@ -13,11 +13,11 @@ from pathlib import Path
 from fleetscope.config import load
 from fleetscope.metrics_endpoint import read_metrics_url
 
-ROLES_WITH_METRICS = ("agent", "worker")
+ROLES_WITH_METRICS = ("agent", "worker", "sink")  # a sink on a ClickHouse server serves no store endpoint
 
 
 def answering(data_dir: Path, timeout_s: float = 5.0) -> str | None:
-    """Which of this data_dir's processes answered ("agent /metrics", "worker /metrics", "sink endpoint"), or None."""
+    """Which of this data_dir's processes answered ("agent /metrics", ..., "sink endpoint"), or None."""
     for role in ROLES_WITH_METRICS:
         url = read_metrics_url(data_dir, role)
         if not url:
