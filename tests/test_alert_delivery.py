@@ -13,19 +13,8 @@ import pytest
 from confluent_kafka import Producer
 
 from fleetscope.streams.alerting.service import AlertService
-from support.alert_receiver import (VALIDATOR, Receiver, anomaly, check_postable, committed_total, diagnosis,
-                                    publish, wait_for)
-
-
-@pytest.fixture()
-def receiver():
-    r = Receiver()
-    yield r
-    if r.server is not None:
-        try:
-            r.down()
-        except Exception:
-            pass
+from support.alert_receiver import (VALIDATOR, anomaly, check_postable, committed_total, diagnosis,  # noqa: F401
+                                    publish, receiver, wait_for)
 
 
 @pytest.fixture()

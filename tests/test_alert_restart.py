@@ -21,18 +21,8 @@ from fleetscope.streams.alerting.incident_file import (MAX_WINDOW_STARTS, VERSIO
                                                        default_path)
 from fleetscope.streams.alerting.incidents import IncidentBook
 from fleetscope.streams.alerting.service import AlertService
-from support.alert_receiver import Receiver, anomaly, check_postable, committed_total, diagnosis, publish, wait_for
-
-
-@pytest.fixture()
-def receiver():
-    r = Receiver()
-    yield r
-    if r.server is not None:
-        try:
-            r.down()
-        except Exception:
-            pass
+from support.alert_receiver import (anomaly, check_postable, committed_total, diagnosis, publish,  # noqa: F401
+                                    receiver, wait_for)
 
 
 @pytest.fixture()

@@ -11,8 +11,6 @@ real one is producers/identity.py.
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,15 +18,14 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from fleetscope.resources import package_dir
 from fleetscope import schema, wire
 from fleetscope.producers.nvml.calls import DeviceCalls
 from fleetscope.producers.nvml.device_metrics import THROTTLE_FLAGS
 from fleetscope.producers.nvml.gpm import GPM_METRICS
 from fleetscope.producers.nvml.sampler import NvmlSampler
 from fleetscope.producers.nvml.xid_watcher import XidWatcher
+from support.nvml_stub import nvml_scenario, stub_lib  # noqa: F401 - fixtures
 
-STUB_SRC = package_dir("fleetscope.eval.gpu_stub") / "fake_nvml.c"
 HOST = "node-a"
 SEC = 1_000_000_000
 MIB = 1 << 20
@@ -94,26 +91,9 @@ class FakeResolver:
         return SimpleNamespace(tenant=tenant, job=job, rank=rank)
 
 
-@pytest.fixture(scope="session")
-def stub_lib(tmp_path_factory) -> str:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is needed to build the NVML test stub (tests/nvml_stub); install gcc")
-    out = tmp_path_factory.mktemp("nvml_stub") / "libnvidia-ml.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(out), str(STUB_SRC)], check=True)
-    yield str(out)
-    # Leave pynvml as we found it, so later tests that load the system library are not handed the stub.
-    with pynvml.libLoadLock:
-        pynvml.nvmlLib = None
-        pynvml._nvmlGetFunctionPointer_cache.clear()
-
-
 @pytest.fixture
-def scenario(tmp_path, monkeypatch):
-    def write(text: str) -> None:
-        path = tmp_path / "scenario.txt"
-        path.write_text(text)
-        monkeypatch.setenv("FAKE_NVML_SCENARIO", str(path))
-    return write
+def scenario(nvml_scenario):
+    return nvml_scenario
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonschema
+import pytest
 import yaml
 from confluent_kafka import Consumer, Producer, TopicPartition
 
@@ -80,6 +81,18 @@ class Receiver:
     def webhook(self) -> list[dict]:
         with self.lock:
             return [body for path, body in self.posts if path == "/hook"]
+
+
+@pytest.fixture()
+def receiver():
+    """A loopback receiver, taken down at the end if the test left it up."""
+    r = Receiver()
+    yield r
+    if r.server is not None:
+        try:
+            r.down()
+        except Exception:
+            pass
 
 
 def wait_for(predicate, timeout_s: float, what: str):
