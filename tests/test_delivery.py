@@ -19,6 +19,7 @@ from fleetscope.topics import all_topics, ensure_topics
 from fleetscope.wire import Batch, StrColumn, encode
 from fleetscope.streams.processor import STORE_RETRY_S, MessageRef, StreamProcessor
 from fleetscope.streams.sinks import RawSink
+from support.subscribed_sink import subscribed_sink
 from fleetscope.streams.store_writes import REJECT_AFTER
 
 SEC = 10**9
@@ -365,8 +366,6 @@ def feature_message(run_host: str, start_ns: int) -> bytes:
 def test_a_sink_killed_between_storing_and_committing_replays_into_the_dedupe(store, tmp_path, broker):
     """Real broker, real consumer group, real chDB. The kill is simulated at the one point that matters
     (after the inserts, before the commit): a real SIGKILL hits it only by chance (test_end_to_end)."""
-    from fleetscope.kafka_settings import client_conf
-    from fleetscope.streams.sink.consumer import Sink, sink_topics
     run = uuid.uuid4().hex[:8]
     cfg = Config(data_dir=tmp_path, topic_prefix=f"t{run}", consumer_group=f"g{run}", partitions=1)
     ensure_topics(broker.bootstrap, all_topics(cfg), 1)
@@ -380,12 +379,7 @@ def test_a_sink_killed_between_storing_and_committing_replays_into_the_dedupe(st
         assert producer.flush(10) == 0
 
     def sink(poll_records):
-        consumer = Consumer(client_conf(cfg, broker.bootstrap, **{
-            "group.id": f"{cfg.consumer_group}-sink", "enable.auto.commit": False, "auto.offset.reset": "earliest",
-            "fetch.wait.max.ms": 10, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500}))
-        s = Sink(cfg, store, consumer, poll_records=poll_records)
-        consumer.subscribe(sink_topics(cfg), on_assign=s.on_assign)
-        return s
+        return subscribed_sink(cfg, store, broker.bootstrap, poll_records=poll_records)
 
     def stored():
         return count(store, "SELECT count() FROM features WHERE job = {h:String}", {"h": host})

@@ -7,14 +7,14 @@ import uuid
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 
 from fleetscope.config import Config, ConfigError
-from fleetscope.kafka_settings import client_conf
 from fleetscope.schema import node_identity
 from fleetscope.topics import all_topics, ensure_topics
 from fleetscope.wire import Batch, StrColumn, encode
-from fleetscope.streams.sink.consumer import Sink, sink_topics
+from fleetscope.streams.sink.consumer import Sink
+from support.subscribed_sink import subscribed_sink
 
 SEC = 10**9
 HOUR = 3600 * SEC
@@ -50,12 +50,7 @@ def setup(broker, store, tmp_path):
     assert producer.flush(10) == 0
 
     def sink(max_rows):
-        consumer = Consumer(client_conf(cfg, broker.bootstrap, **{
-            "group.id": f"{cfg.consumer_group}-sink", "enable.auto.commit": False, "auto.offset.reset": "earliest",
-            "fetch.wait.max.ms": 10, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500}))
-        s = Sink(cfg, store, consumer, max_rows=max_rows)
-        consumer.subscribe(sink_topics(cfg), on_assign=s.on_assign)
-        return s
+        return subscribed_sink(cfg, store, broker.bootstrap, max_rows=max_rows)
 
     def stored():
         return store.query("SELECT count() FROM raw_metrics WHERE host = {h:String}", {"h": host}).rows[0][0]
