@@ -28,8 +28,10 @@ def alive(pid: int) -> bool:
 def test_up_shows_live_windows_serves_queries_and_ctrl_c_leaves_nothing_running(tmp_path):
     env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_TOPIC_PREFIX": "cli"}
     env.pop("FLEETSCOPE_KAFKA", None)
+    # started as `cmd &` from a script starts it: SIGINT inherited ignored, which `up` must override to keep
+    # its "Ctrl-C stops everything" (it did not, and this test hung beside busy loops started that way)
     up = subprocess.Popen(CLI + ["up", "--plain"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+                          text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[tuple[float, str]] = []
     start = time.monotonic()
     reader = threading.Thread(target=lambda: [lines.append((time.monotonic() - start, l)) for l in up.stdout])
@@ -58,7 +60,12 @@ def test_up_shows_live_windows_serves_queries_and_ctrl_c_leaves_nothing_running(
         assert q.stdout.splitlines()[0] == "n" and int(q.stdout.splitlines()[1]) >= 1
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C
-        up.wait(60)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:  # fail, but leave nothing running for the next tests
+            up.kill()
+            up.wait()
+            raise
         reader.join(5)
     assert up.returncode == 0, "".join(l for _, l in lines)[-3000:]
     for pid in (broker_pid, sink_pid, streams_pid):

@@ -189,10 +189,6 @@ def repeat_plan(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def _terminate_as_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def run_in_child(scenario_path: Path, opts: dict, log_path: Path, show=print) -> dict:
     """Run one scenario in a fresh `python -m fleetscope.eval.run_one` process; relay its progress."""
     import subprocess
@@ -238,7 +234,8 @@ def cmd_bench_scenario(args) -> int:
     if args.repeats < 1:
         print("fleetscope bench: --repeats must be at least 1", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # clean up on kill as on Ctrl-C
+    from fleetscope.cli.common import stop_on_interrupt_or_terminate
+    stop_on_interrupt_or_terminate()  # clean up on kill as on Ctrl-C
     out = Path(args.out)
     base = {"out_dir": str(out / "scenarios"), "ranks": args.ranks, "window_s": args.window_s,
             "warmup_windows": args.warmup_windows, "keep_data": args.keep_data, "work_dir": args.work_dir,

@@ -10,7 +10,6 @@ No configuration: everything lives in a temporary data dir that is removed after
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 from fleetscope.resources import package_dir
@@ -110,8 +109,9 @@ def _f(v, d: int = 2) -> str:
 
 
 def cmd_demo(args) -> int:
-    from fleetscope.cli.bench import _terminate_as_interrupt, run_in_child
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    from fleetscope.cli.bench import run_in_child
+    from fleetscope.cli.common import stop_on_interrupt_or_terminate
+    stop_on_interrupt_or_terminate()
     scenario = Path(args.scenario) if args.scenario else demo_scenario()
     out = Path(args.out)
     print(f"fleetscope demo: scenario {scenario.name}; this takes about 3 minutes. Ctrl-C stops it cleanly.",

@@ -12,6 +12,7 @@ import time
 from collections import deque
 
 from fleetscope.config import Config
+from fleetscope.cli.common import stop_on_interrupt_or_terminate
 from fleetscope.cli.launcher import EmbeddedStack, StackError
 
 
@@ -56,6 +57,7 @@ def status_line(elapsed: float, agent, workers: dict | None, n_workers: int, sin
 
 
 def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False, workers: int = 1) -> int:
+    stop_on_interrupt_or_terminate()  # "Ctrl-C stops everything", however `up` was started
     stack = EmbeddedStack(cfg, workers=workers, agent=True)
     failed = False
     try:
