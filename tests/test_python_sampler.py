@@ -46,7 +46,19 @@ def sampler():
 def _loop(python: str, tmp_path: Path) -> subprocess.Popen:
     go = tmp_path / "go"
     go.touch()
-    return subprocess.Popen([python, py_calls.__file__, str(go), "loop"])
+    proc = subprocess.Popen([python, py_calls.__file__, str(go), "loop"])
+    # in its loop before it is sampled: on a loaded machine the interpreter's start-up (imports, not run())
+    # can fill a whole first window; 0.3 s of CPU is far past start-up (about 0.05 s)
+    deadline = time.monotonic() + 60
+    while _cpu_seconds(proc.pid) < 0.3:
+        assert proc.poll() is None and time.monotonic() < deadline, "the loop did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.parametrize("python", INTERPRETERS)
