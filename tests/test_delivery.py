@@ -19,7 +19,7 @@ from fleetscope.topics import all_topics, ensure_topics
 from fleetscope.wire import Batch, StrColumn, encode
 from fleetscope.streams.processor import STORE_RETRY_S, MessageRef, StreamProcessor
 from fleetscope.streams.sinks import RawSink
-from support.subscribed_sink import subscribed_sink
+from support.subscribed_sink import store_then_die_before_commit, subscribed_sink
 from fleetscope.streams.store_writes import REJECT_AFTER
 
 SEC = 10**9
@@ -351,10 +351,6 @@ def test_idle_keys_and_models_are_evicted_after_a_checkpoint_and_restored_on_ret
 
 # ---- 8. a sink killed between storing and committing ------------------------------------------------------
 
-class KilledBeforeCommit(BaseException):
-    """Where a SIGKILL between the store's answer and Kafka's commit leaves the sink: rows stored, offsets not."""
-
-
 def feature_message(run_host: str, start_ns: int) -> bytes:
     from types import SimpleNamespace
     from fleetscope.streams.sinks import features_batch
@@ -386,15 +382,7 @@ def test_a_sink_killed_between_storing_and_committing_replays_into_the_dedupe(st
 
     publish(range(6))
     first = sink(poll_records=3)
-
-    def killed_commit(offsets):
-        raise KilledBeforeCommit()
-    first._commit = killed_commit
-    deadline = time.monotonic() + 60
-    with pytest.raises(KilledBeforeCommit):
-        while time.monotonic() < deadline:
-            first.step(0.5)
-    first.consumer.close()  # gone without committing
+    store_then_die_before_commit(first)
     before_kill = stored()
     assert 1 <= before_kill <= 3
     publish(range(6, 10))  # more arrived meanwhile: the replayed poll would be grouped differently

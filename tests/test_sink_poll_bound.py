@@ -14,17 +14,13 @@ from fleetscope.schema import node_identity
 from fleetscope.topics import all_topics, ensure_topics
 from fleetscope.wire import Batch, StrColumn, encode
 from fleetscope.streams.sink.consumer import Sink
-from support.subscribed_sink import subscribed_sink
+from support.subscribed_sink import store_then_die_before_commit, subscribed_sink
 
 SEC = 10**9
 HOUR = 3600 * SEC
 T0 = (time.time_ns() // HOUR - 2) * HOUR  # within retention and the future-skew bound
 ROWS_PER_RECORD = 1000
 RECORDS = 10
-
-
-class KilledBeforeCommit(BaseException):
-    """Where a SIGKILL between the store's answer and Kafka's commit leaves the sink."""
 
 
 def raw_batch(host: str, k: int) -> Batch:
@@ -87,15 +83,7 @@ def test_a_single_record_over_the_bound_is_stored_alone():
 def test_a_poll_cut_by_rows_is_replayed_exactly_after_a_kill_whatever_the_new_bound(setup):
     sink, stored = setup
     first = sink(max_rows=2500)
-
-    def killed_commit(offsets):
-        raise KilledBeforeCommit()
-    first._commit = killed_commit
-    deadline = time.monotonic() + 60
-    with pytest.raises(KilledBeforeCommit):
-        while time.monotonic() < deadline:
-            first.step(0.5)
-    first.consumer.close()  # gone without committing
+    store_then_die_before_commit(first)
     before_kill = stored()
     assert 0 < before_kill <= 2500
     second = sink(max_rows=1_000_000)  # a larger bound would regroup the poll, were it not replayed as planned
