@@ -5,35 +5,19 @@ Alertmanager's own OpenAPI spec (deploy/schemas/alertmanager-v2-openapi.yaml).""
 from __future__ import annotations
 
 import json
-import threading
-from dataclasses import replace
 
 import jsonschema
 import pytest
 from confluent_kafka import Producer
 
-from fleetscope.streams.alerting.service import AlertService
-from support.alert_receiver import (VALIDATOR, anomaly, check_postable, committed_total, diagnosis,  # noqa: F401
-                                    publish, receiver, wait_for)
+from support.alert_receiver import (  # noqa: F401 - receiver is a fixture
+    VALIDATOR, alert_services, anomaly, check_postable, committed_total, diagnosis, publish, receiver, wait_for)
 
 
 @pytest.fixture()
 def run_service(pipeline_cfg, broker, receiver):
-    started = []
-
-    def start(**settings) -> AlertService:
-        cfg = replace(pipeline_cfg, alert_alertmanager_url=receiver.url, alert_webhook_url=receiver.url + "/hook",
-                      alert_tenant_labels=("acme:team=ml-infra",), **settings)
-        svc = AlertService(cfg, broker.bootstrap)
-        thread = threading.Thread(target=svc.run, daemon=True)
-        thread.start()
-        started.append((svc, thread))
-        return svc
-
-    yield start
-    for svc, thread in started:
-        svc.stop()
-        thread.join(30)
+    with alert_services(pipeline_cfg, broker, receiver, alert_tenant_labels=("acme:team=ml-infra",)) as start:
+        yield start
 
 
 def test_the_postable_alerts_schema_rejects_a_non_string_label():

@@ -12,17 +12,14 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
-from dataclasses import replace
 
 import pytest
 
 from fleetscope.streams.alerting.incident_file import (MAX_WINDOW_STARTS, VERSION, IncidentFile,
                                                        default_path)
 from fleetscope.streams.alerting.incidents import IncidentBook
-from fleetscope.streams.alerting.service import AlertService
-from support.alert_receiver import (anomaly, check_postable, committed_total, diagnosis, publish,  # noqa: F401
-                                    receiver, wait_for)
+from support.alert_receiver import (  # noqa: F401 - receiver is a fixture
+    alert_services, anomaly, check_postable, committed_total, diagnosis, publish, receiver, wait_for)
 
 
 @pytest.fixture()
@@ -105,21 +102,8 @@ def test_an_incident_fired_before_a_sigkill_is_resolved_by_the_next_process(
 
 @pytest.fixture()
 def run_service(pipeline_cfg, broker, receiver):
-    started = []
-
-    def start(**settings) -> AlertService:
-        cfg = replace(pipeline_cfg, alert_alertmanager_url=receiver.url, alert_webhook_url=receiver.url + "/hook",
-                      alert_resolve_s=3600.0, alert_resend_s=3600.0, **settings)
-        svc = AlertService(cfg, broker.bootstrap)
-        thread = threading.Thread(target=svc.run, daemon=True)
-        thread.start()
-        started.append((svc, thread))
-        return svc
-
-    yield start
-    for svc, thread in started:
-        svc.stop()
-        thread.join(30)
+    with alert_services(pipeline_cfg, broker, receiver, alert_resolve_s=3600.0, alert_resend_s=3600.0) as start:
+        yield start
 
 
 @pytest.mark.parametrize("content", [b"{\"version\": 1, \"incid", b'{"version": 99, "incidents": []}',

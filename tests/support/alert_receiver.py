@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from contextlib import contextmanager
+from dataclasses import replace
 import time
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -132,3 +134,26 @@ def committed_total(broker, cfg, group: str) -> int:
         return sum(max(tp.offset, 0) for tp in c.committed(parts, timeout=10))
     finally:
         c.close()
+
+
+@contextmanager
+def alert_services(pipeline_cfg, broker, receiver, **defaults):
+    """start(**settings) runs an AlertService on a thread, posting to `receiver`; all are stopped at the end."""
+    from fleetscope.streams.alerting.service import AlertService
+    started = []
+
+    def start(**settings):
+        cfg = replace(pipeline_cfg, alert_alertmanager_url=receiver.url, alert_webhook_url=receiver.url + "/hook",
+                      **{**defaults, **settings})
+        svc = AlertService(cfg, broker.bootstrap)
+        thread = threading.Thread(target=svc.run, daemon=True)
+        thread.start()
+        started.append((svc, thread))
+        return svc
+
+    try:
+        yield start
+    finally:
+        for svc, thread in started:
+            svc.stop()
+            thread.join(30)
