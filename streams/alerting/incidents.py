@@ -3,6 +3,12 @@
 A window flagged on the anomalies topic or diagnosed on the diagnoses topic opens or extends its incident
 (both topics carry the same window, so they count once). An incident that saw no new window for `resolve_s`
 of wall time resolves. What each change needs sent is a Notification; the book sends nothing itself.
+
+Bounded, so a fleet-wide event cannot flood receivers or memory:
+- a job with `max_rank_incidents` rank incidents open folds any further rank into one job-wide incident
+  (host "*", rank -1, role "job_wide"): an SRE wants one alert for "many ranks of this job", not hundreds;
+- at most `max_open` incidents are open at once; a window that would open one more is counted in
+  `over_limit` (and the service logs it), never silently.
 """
 from __future__ import annotations
 
@@ -10,7 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 WAITING = "waiting"  # a rank that waits on a culprit is not an incident of its own
+JOB_WIDE = "job_wide"  # the role of the incident that a job's ranks fold into past max_rank_incidents
 MAX_WINDOWS_KEPT = 4096  # distinct window starts remembered per incident, for counting each window once
+MAX_RANK_INCIDENTS_PER_JOB = 16
+MAX_OPEN_INCIDENTS = 10_000
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,14 @@ class RecordError(ValueError):
 
 
 class IncidentBook:
-    def __init__(self, resolve_s: float, resend_s: float, clock=time.monotonic, wall_ns=time.time_ns):
+    def __init__(self, resolve_s: float, resend_s: float, clock=time.monotonic, wall_ns=time.time_ns,
+                 max_rank_incidents: int = MAX_RANK_INCIDENTS_PER_JOB, max_open: int = MAX_OPEN_INCIDENTS):
         self.resolve_s = resolve_s
         self.resend_s = resend_s
+        self.max_rank_incidents = max_rank_incidents
+        self.max_open = max_open
+        self.over_limit = 0  # windows that would have opened an incident past max_open
+        self._ranks_open: dict[tuple[str, str], int] = {}  # open rank incidents per (tenant, job)
         self.clock = clock
         self.wall_ns = wall_ns
         self.open: dict[IncidentKey, Incident] = {}
@@ -74,7 +88,7 @@ class IncidentBook:
         """
         now = self.clock()
         inc.last_seen = now - max(0.0, quiet_for_s)
-        self.open[inc.key] = inc
+        self._opened(inc)
         self.sent_at[inc.key] = now - self.resend_s
         self.changes += 1
 
@@ -97,9 +111,15 @@ class IncidentBook:
             return
         now = self.clock()
         inc = self.open.get(key)
+        if inc is None and self._rank_incidents(key) >= self.max_rank_incidents:
+            key, role = IncidentKey(key.tenant, key.job, "*", -1), JOB_WIDE
+            inc = self.open.get(key)
+        if inc is None and len(self.open) >= self.max_open:
+            self.over_limit += 1
+            return
         if inc is None:
             inc = Incident(key, role, start, start, score, threshold, last_seen=now)
-            self.open[key] = inc
+            self._opened(inc)
             self.pending.append(Notification("open", inc))
         new_window = start not in inc.window_starts
         if new_window and len(inc.window_starts) < MAX_WINDOWS_KEPT:
@@ -121,6 +141,23 @@ class IncidentBook:
             if not any(n.incident is inc for n in self.pending):
                 self.pending.append(Notification("update", inc))
 
+    def _rank_incidents(self, key: IncidentKey) -> int:
+        return self._ranks_open.get((key.tenant, key.job), 0)
+
+    def _opened(self, inc: Incident) -> None:
+        self.open[inc.key] = inc
+        if inc.key.rank >= 0:
+            job = (inc.key.tenant, inc.key.job)
+            self._ranks_open[job] = self._ranks_open.get(job, 0) + 1
+
+    def _closed(self, key: IncidentKey) -> None:
+        del self.open[key]
+        job = (key.tenant, key.job)
+        if key.rank >= 0 and job in self._ranks_open:
+            self._ranks_open[job] -= 1
+            if not self._ranks_open[job]:
+                del self._ranks_open[job]
+
     def due(self) -> list[Notification]:
         """Everything to send now: opens and updates observed, resends of firing alerts, resolves."""
         now = self.clock()
@@ -128,7 +165,7 @@ class IncidentBook:
         for key, inc in list(self.open.items()):
             if now - inc.last_seen >= self.resolve_s:
                 inc.resolved_at_ns = self.wall_ns()
-                del self.open[key]
+                self._closed(key)
                 self.sent_at.pop(key, None)
                 self.changes += 1
                 out = [n for n in out if n.incident is not inc] + [Notification("resolve", inc)]

@@ -37,6 +37,7 @@ class AlertStats:
     commits: int = 0
     incidents_restored: int = 0  # loaded from the state file at start
     state_save_failures: int = 0  # the state file could not be written: nothing was committed until it was
+    incidents_over_limit: int = 0  # windows that would have opened an incident past the book's max_open
 
 
 class AlertService:
@@ -134,6 +135,11 @@ class AlertService:
             opened = len(self.book.open)
             self.book.observe(record, record.get("matches") if kind == "diagnosis" else None)
             self.stats.incidents_opened += max(0, len(self.book.open) - opened)
+            if self.book.over_limit != self.stats.incidents_over_limit:
+                if not self.stats.incidents_over_limit:
+                    log.warning("%d incidents are open, the most the alert service keeps; windows that would "
+                                "open more are counted (incidents_over_limit), not alerted", self.book.max_open)
+                self.stats.incidents_over_limit = self.book.over_limit
         except (ValueError, RecordError) as exc:  # json's errors are ValueErrors
             self.stats.bad_records += 1
             log.warning("skipped a message on %s: %s", topic, exc)
