@@ -7,6 +7,10 @@ scored once however often publishing is retried (a model learning the same
 window twice would drift). Of the inserts it keeps only the model
 checkpoints (they become <prefix>.model-state messages): the sink builds
 every other row from the topics.
+
+It is not a Kafka producer: it acknowledges nothing, so it refuses a delivery
+callback (the processor's own producer must report deliveries) instead of
+letting a job wait for acknowledgements that never come.
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ class Outbox:
         return n
 
     # the producer's interface, as the transforms use it
-    def produce(self, topic: str, value: bytes | None = None, key: bytes | None = None, headers=None, **_) -> None:
+    def produce(self, topic: str, value: bytes | None = None, key: bytes | None = None, headers=None, **kw) -> None:
+        if kw.get("on_delivery") or kw.get("callback"):
+            raise TypeError("an Outbox only collects messages; it delivers none, so no delivery callback fires")
         self.messages.append((topic, key, value, headers))
 
     def flush(self, timeout: float | None = None) -> int:

@@ -9,13 +9,21 @@ A flush job then goes through its steps, each done once and retried on its own:
 1. compute: close ripe windows, build their feature rows, score them, and
    update each touched job's state (window marks, model checkpoint);
 2. publish: features and scores (Arrow), anomalies and diagnoses (JSON),
-   dead letters and the jobs' states (<prefix>.model-state) to Kafka;
+   dead letters and the jobs' states (<prefix>.model-state) to Kafka. The
+   flush thread does not wait for Kafka: each message's delivery callback
+   counts its acknowledgement, and the job is published once all of them came
+   back without error (seen when the producer is polled, at the next flush or
+   finish_flush). A delivery error sends the job again, whole, and every later
+   job already sent after it, in order (so a job's state is never overtaken by
+   an older one); compute is not redone;
 3. only in-process (a store was given: tests, benchmarks, tools): the sink's
    TopicWriter stores what step 2 produced, as a sink would.
 A worker does not write the store: sinks consume the raw and derived topics.
 A message is acknowledged once every job holding it is published (stored,
-in-process), and only acknowledged offsets are committed, so a crash
-replays instead of losing.
+in-process), in order: a job still waiting for Kafka holds back every later
+one. Only acknowledged offsets are committed, so a crash replays instead of
+losing. `flush()`, for callers on one thread (tests, benchmarks, tools), also
+waits (up to 10 s) for the acknowledgements of what it sent.
 
 Which windows are already out is the worker's own state, not the store's:
 each job's window marks travel with its model on <prefix>.model-state
@@ -92,12 +100,31 @@ class ProcessorStats:
     windows_out: int = 0
     flushes: int = 0
     store_errors: int = 0
-    publish_errors: int = 0
+    publish_errors: int = 0  # failed sends and deliveries of derived messages (their jobs are sent again)
+    dlq_publish_errors: int = 0  # in-process: store-rejected dead letters Kafka did not take (kept in the store)
     store_rejected: int = 0  # batches or rows the store refused, sent to the DLQ
     last_window_end_ns: int = 0
 
 
 DeadLetter = tuple[MessageRef, "bytes | None", str]
+
+
+class Delivery:
+    """One publish attempt of a job: the producer calls it once per message, when Kafka acknowledged it or
+    gave up (confluent-kafka's on_delivery, fired by producer.poll/flush)."""
+
+    def __init__(self, messages: int, on_result: Callable[[object], None]):
+        self.pending = messages
+        self.failed = False
+        self.on_result = on_result
+
+    def __call__(self, err, msg) -> None:
+        self.pending -= 1
+        self.failed |= err is not None
+        self.on_result(err)
+
+    def ok(self) -> bool:
+        return self.pending <= 0 and not self.failed
 
 
 @dataclass(eq=False)
@@ -110,12 +137,15 @@ class FlushJob:
     skipped: list[MessageRef]  # duplicates and replays: nothing to emit, acknowledged in order with the rest
     earlier: list["FlushJob"] = field(default_factory=list)  # jobs still waiting, oldest first
     computed: bool = False
-    published: bool = False
+    published: bool = False  # every message acknowledged by Kafka
+    delivery: Delivery | None = None  # the publish attempt in flight (or failed): its acknowledgements
     messages: list = field(default_factory=list)
     inserts: list[Insert] | None = None  # in-process only: the sink's inserts for this job
     sunk: bool = False  # in-process only: stored
 
     def done(self, in_process: bool) -> bool:
+        if not self.published and self.delivery is not None and self.delivery.ok():
+            self.published = True
         return self.computed and self.published and (self.sunk or not in_process)
 
     def refs(self) -> list[MessageRef]:
@@ -136,6 +166,9 @@ class StreamProcessor:
                  wall_clock_ns=time.time_ns, max_unstored_rows: int | None = None, states=None):
         if store is None and producer is None:
             raise ValueError("a stream processor needs a producer (a worker) or a store (in-process)")
+        if producer is not None and not callable(getattr(producer, "poll", None)):
+            raise TypeError("the processor's producer must report deliveries (confluent-kafka's Producer: "
+                            "produce(on_delivery=...) and poll); without them nothing would be acknowledged")
         self.cfg = cfg
         self.store = store
         self.producer = producer
@@ -310,10 +343,15 @@ class StreamProcessor:
     def run_flush(self, job: FlushJob) -> bool:
         """Advance the waiting jobs and this one as far as they go (any thread). True if all are done.
 
-        Jobs are computed and published in order, and stop at the first that cannot be: a job's
-        windows must reach its model, and its marks Kafka, in window order."""
+        Jobs are computed and sent in order, and stop at the first that cannot be: a job's windows must
+        reach its model, and its marks Kafka, in window order. Sending does not wait for Kafka's
+        acknowledgements (see Delivery): a job still waiting for them is not done, and is looked at again
+        by the next flush. A job whose delivery failed is sent again, and so is every later job that was
+        sent after it, so that the newest state of a job stays the last one on <prefix>.model-state."""
         jobs = job.earlier + [job]
         store_up = self.store_outage.down_since is None or self.clock() - self._last_store_try >= STORE_RETRY_S
+        self._poll()
+        resend = False
         for j in jobs:
             if not j.computed:
                 try:
@@ -322,17 +360,34 @@ class StreamProcessor:
                     self.stats.publish_errors += 1
                     self.kafka_outage.failed(exc)
                     return False
-            if not j.published:
+            if j.delivery is not None and (j.delivery.failed or resend):
+                resend = True
+                j.delivery, j.published = None, False
+            if not j.published and j.delivery is None:
                 try:
                     self._publish(j)
                 except Exception as exc:
                     self.stats.publish_errors += 1
                     self.kafka_outage.failed(exc)
                     return False
-                self.kafka_outage.recovered()
             if self.in_process and store_up and not j.sunk:
                 store_up = self._sink(j)
+        self._poll()
         return all(j.done(self.in_process) for j in jobs)
+
+    def _poll(self) -> None:
+        """Fire the delivery callbacks of what Kafka acknowledged meanwhile (never concurrently: the loop
+        thread polls only while no flush runs on the flush thread)."""
+        if self.producer is not None:
+            self.producer.poll(0)
+
+    def _delivered(self, err) -> None:
+        """Every derived message's outcome: errors are counted and logged (once per period)."""
+        if err is None:
+            self.kafka_outage.recovered()
+            return
+        self.stats.publish_errors += 1
+        self.kafka_outage.failed(RuntimeError(f"delivery failed: {err}"))
 
     def _compute(self, job: FlushJob) -> None:
         jobs = {w.key[:2] for w in job.windows}  # node windows too: each node has a model (model/node.py)
@@ -386,14 +441,14 @@ class StreamProcessor:
         log.info("evicted %d idle job models after checkpointing them", len(idle))
 
     def _publish(self, job: FlushJob) -> None:
+        """Send the job's messages; their acknowledgements arrive later, counted by job.delivery."""
         if self.producer is None or not job.messages:
             job.published = True
             return
+        delivery = Delivery(len(job.messages), self._delivered)
         for topic, key, value, headers in job.messages:
-            self.producer.produce(topic, value=value, key=key, headers=headers)
-        if self.producer.flush(10.0):
-            raise RuntimeError("Kafka did not acknowledge the derived messages within 10 s")
-        job.published = True
+            self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivery)
+        job.delivery = delivery
 
     def _sink(self, job: FlushJob) -> bool:
         """In-process: store the job's raw rows and messages as a sink would; False if the store is down."""
@@ -412,18 +467,21 @@ class StreamProcessor:
                 insert, recs = dead
                 job.inserts.append(insert)
                 run_all([insert], self.store)
-                if self.producer is not None:
+                if self.producer is not None:  # not waited for: they are in the dlq table; errors are counted
                     for r in recs:
-                        self.producer.produce(self.cfg.topic("dlq"), value=r.value, key=r.key, headers=r.headers)
-                    if self.producer.flush(10.0):
-                        log.warning("Kafka did not acknowledge %d dead letters within 10 s; they are in the dlq "
-                                    "table", len(recs))
+                        self.producer.produce(self.cfg.topic("dlq"), value=r.value, key=r.key, headers=r.headers,
+                                              on_delivery=self._dead_letter_delivered)
         except StoreUnavailable as exc:  # store_errors counted per failed insert by on_error
             self.store_outage.failed(exc)
             return False
         job.sunk = True
         self.store_outage.recovered()
         return True
+
+    def _dead_letter_delivered(self, err, msg) -> None:
+        if err is not None:
+            self.stats.dlq_publish_errors += 1
+            log.warning("Kafka did not take a dead letter the store rejected (%s); it is in the dlq table", err)
 
     def _records(self, messages) -> list[Record]:
         out = []
@@ -436,6 +494,7 @@ class StreamProcessor:
     def finish_flush(self, job: FlushJob, ok: bool) -> None:
         """Acknowledge what is done (event-loop thread); the rest waits, in order."""
         self.flushes_in_flight -= 1
+        self._poll()
         waiting = []
         for j in job.earlier + [job]:
             if waiting or not j.done(self.in_process):  # in order: a done job behind a waiting one waits too
@@ -512,10 +571,14 @@ class StreamProcessor:
             ref.release()
 
     def flush(self, force: bool = False) -> None:
-        """begin, run and finish in the caller's thread."""
+        """begin, run and finish in the caller's thread, waiting up to 10 s for Kafka's acknowledgements of
+        what was sent (the worker's flush thread does not wait: see run_flush)."""
         job = self.begin_flush(force)
         if job is not None:
-            self.finish_flush(job, self.run_flush(job))
+            ok = self.run_flush(job)
+            if self.producer is not None:
+                self.producer.flush(10.0)
+            self.finish_flush(job, ok)
 
     def close(self) -> None:
         """Checkpoint every model now (at stop): a restarted worker resumes from here."""
@@ -527,6 +590,8 @@ class StreamProcessor:
         last = FlushJob([], [], [], [], computed=True)
         last.messages = self._state_messages([], [i for i in inserts if i[0] == "model_state"])
         self._publish(last)
+        if self.producer is not None and (self.producer.flush(10.0) or not last.done(False)):
+            raise RuntimeError("Kafka did not acknowledge the final model checkpoints within 10 s")
         if self.in_process:
             run_all(self.sink.inserts(self._records(last.messages)), self.store)
 

@@ -1,0 +1,234 @@
+"""The worker's flush does not wait for Kafka's acknowledgements (issue 14, "Delivery"): a flush job's
+messages are sent, their delivery callbacks count the acknowledgements, and the job's input messages are
+acknowledged (so committed) only once every one of them came back without error, in order. A delivery
+error sends the job again, whole; its windows are never computed again.
+
+Real parts: a private embedded broker (tansu, its own process, so freezing it disturbs no other test), the
+worker's own producer settings (streams/worker.py derived_producer) and state reader (<prefix>.model-state),
+the processor driven as the worker's flusher drives it (begin_flush / run_flush / finish_flush). The outage
+is a frozen broker (SIGSTOP, then SIGCONT), as in tests/test_agent_stop.py: tansu keeps topics in memory
+only, so a restarted one would lose them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+
+import numpy as np
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from fleetscope import wire
+from fleetscope.broker import EmbeddedBroker
+from fleetscope.config import Config
+from fleetscope.kafka_settings import client_conf
+from fleetscope.schema import node_identity
+from fleetscope.topics import prepare_topics
+from fleetscope.wire import Batch, StrColumn, encode
+from fleetscope.streams.model_state import JobState
+from fleetscope.streams.outbox import Outbox
+from fleetscope.streams.processor import MessageRef, StreamProcessor
+from fleetscope.streams.worker import derived_producer, state_reader
+
+pytestmark = pytest.mark.integration
+
+SEC = 10**9
+HOUR = 3600 * SEC
+T0 = (time.time_ns() // HOUR - 1) * HOUR  # inside retention and the future-skew bound
+HOST = "node-acks"
+NAMES = ("cpu.user", "cpu.idle", "mem.total", "mem.available")
+
+
+def host_batch(ts_ns: int) -> Batch:
+    n = len(NAMES)
+    cols = {"ts_ns": np.full(n, ts_ns, dtype="<i8"), **node_identity(HOST, n),
+            "metric": StrColumn(np.arange(n, dtype=np.uint32), NAMES), "device": StrColumn.constant("all", n),
+            "value": np.array([0.2, 0.3, 1000.0, 250.0]), "interval_ns": np.array([SEC // 2, SEC // 2, 0, 0], "<i8")}
+    return Batch("host", HOST, cols)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Worker:
+    """The processor as `fleetscope streams` runs it (no store), fed one host's batches on one partition;
+    `acked` records the input offsets in the order they were acknowledged."""
+
+    def __init__(self, cfg: Config, producer):
+        self.clock = FakeClock()
+        self.states = state_reader(cfg, cfg.kafka)
+        self.proc = StreamProcessor(cfg, producer=producer, states=self.states, clock=self.clock)
+        self.topic = cfg.raw_topic("host")
+        self.acked: list[int] = []
+        self.offset = 0
+        self.flush_s: list[float] = []
+
+    def tick(self, k: int) -> None:
+        """One 0.5 s tick of event time, then one flush on this thread, timed."""
+        off = self.offset
+        self.offset += 1
+        ref = MessageRef(self.topic, 0, off, ack=lambda: self.acked.append(off))
+        self.proc.handle(encode(host_batch(T0 + k * SEC // 2)), None, ref, key=f"_node/{HOST}".encode())
+        self.flush()
+
+    def flush(self, force: bool = False) -> None:
+        self.clock.now += 0.25
+        job = self.proc.begin_flush(force)
+        if job is not None:
+            started = time.monotonic()
+            ok = self.proc.run_flush(job)
+            self.flush_s.append(time.monotonic() - started)
+            self.proc.finish_flush(job, ok)
+
+    def settle(self, done, timeout_s: float, what: str, force: bool = False) -> None:
+        """Flush (as the worker's timer does) until `done()`; the callbacks fire on the flushes' polls."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.proc.snapshot()}"
+            self.flush(force)
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.states.close()
+
+
+def read_topic(bootstrap: str, topic: str) -> list:
+    """Every message of a one-partition topic, in offset order (its end read first, then read up to it)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex[:6]}",
+                         "fetch.wait.max.ms": 10, "enable.auto.commit": False})
+    try:
+        end = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        out: list = []
+        deadline = time.monotonic() + 30
+        while len(out) < end:
+            assert time.monotonic() < deadline, f"read {len(out)} of {end} messages of {topic}"
+            out += [m for m in consumer.consume(100, 0.5) if not m.error()]
+        return out
+    finally:
+        consumer.close()
+
+
+def feature_windows(bootstrap: str, cfg: Config) -> Counter:
+    """How often each of HOST's windows was published on <prefix>.features."""
+    seen: Counter = Counter()
+    for m in read_topic(bootstrap, cfg.topic("features")):
+        b = wire.decode(m.value(), m.headers())
+        if b.source == "features":
+            seen.update(int(s) for s in b.columns["window_start_ns"])
+    return seen
+
+
+@pytest.fixture()
+def own_broker(tmp_path):
+    b = EmbeddedBroker(log_path=tmp_path / "broker.log").start()
+    yield b
+    os.kill(b.pid, signal.SIGCONT)  # never leave it frozen, whatever failed
+    b.stop()
+
+
+def worker_cfg(tmp_path, bootstrap: str) -> Config:
+    run = uuid.uuid4().hex[:8]
+    cfg = Config(data_dir=tmp_path, kafka=bootstrap, topic_prefix=f"a{run}", consumer_group=f"g{run}",
+                 partitions=1, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=3600, step_hold_s=1.0)
+    prepare_topics(cfg, bootstrap)
+    return cfg
+
+
+def test_a_flush_does_not_wait_for_acks_and_acknowledges_its_inputs_only_after_them(tmp_path, own_broker):
+    cfg = worker_cfg(tmp_path, own_broker.bootstrap)
+    w = Worker(cfg, derived_producer(cfg, own_broker.bootstrap))
+    try:
+        for k in range(10):  # broker up: the key's state is read, the first windows go out
+            w.tick(k)
+        w.settle(lambda: w.proc.snapshot()["unstored_jobs"] == 0 and w.acked, 30, "the first windows' acks")
+        acked_before = list(w.acked)
+        computed_before = w.proc.scorer.stats.node_windows
+        os.kill(own_broker.pid, signal.SIGSTOP)
+        try:
+            frozen_from = len(w.flush_s)
+            for k in range(10, 20):  # 5 s of event time: 5 more windows close and are computed
+                w.tick(k)
+            frozen_flush_s = w.flush_s[frozen_from:]
+            computed_frozen = w.proc.scorer.stats.node_windows - computed_before
+            unstored = w.proc.snapshot()["unstored_jobs"]
+            acked_frozen = list(w.acked)
+        finally:
+            os.kill(own_broker.pid, signal.SIGCONT)
+        # the flush thread went on computing instead of waiting for Kafka (it waited 10 s per flush before)
+        assert frozen_flush_s and max(frozen_flush_s) < 2.0, frozen_flush_s
+        assert computed_frozen >= 4, computed_frozen
+        # ... but nothing sent meanwhile was acknowledged: its jobs wait, in order, for their acks
+        assert acked_frozen == acked_before
+        assert unstored >= 4
+
+        w.settle(lambda: w.proc.snapshot()["unstored_jobs"] == 0 and len(w.acked) > len(acked_before), 60,
+                 "the acks sent while the broker was frozen")
+        w.clock.now += 3600  # the end: every window closes
+        w.settle(lambda: len(w.acked) == w.offset, 60, "every input acknowledged", force=True)
+        assert w.acked == list(range(w.offset))  # each once, in offset order
+        snap = w.proc.snapshot()
+        assert snap["publish_errors"] == 0 and snap["dlq"] == 0, snap
+        windows = feature_windows(own_broker.bootstrap, cfg)
+        assert sorted(windows) == [T0 + i * SEC for i in range(10)]  # 20 ticks of 0.5 s: 10 windows
+        assert set(windows.values()) == {1}, windows  # each published once: nothing was sent twice
+        assert w.proc.scorer.stats.node_windows == 10  # and scored once
+    finally:
+        w.close()
+
+
+def test_a_delivery_error_sends_the_job_again_without_computing_it_again(tmp_path, own_broker):
+    """Kafka gives up on the messages (message.timeout.ms passes while the broker is frozen): the delivery
+    callbacks report errors, counted in the stats; the jobs are sent again, whole and in order, once it answers.
+
+    Not idempotent here: after timed-out messages, tansu answers an idempotent producer PRODUCER_FENCED from
+    then on (measured), a fatal error for librdkafka, so that producer could never deliver again."""
+    cfg = worker_cfg(tmp_path, own_broker.bootstrap)
+    producer = Producer(client_conf(cfg, own_broker.bootstrap, **{
+        "acks": "all", "linger.ms": 5, "message.timeout.ms": 1000}))
+    w = Worker(cfg, producer)
+    try:
+        for k in range(6):
+            w.tick(k)
+        w.settle(lambda: w.proc.snapshot()["unstored_jobs"] == 0 and w.acked, 30, "the first windows' acks")
+        acked_before = list(w.acked)
+        os.kill(own_broker.pid, signal.SIGSTOP)
+        try:
+            for k in range(6, 12):
+                w.tick(k)
+            w.settle(lambda: w.proc.stats.publish_errors > 0, 30, "a delivery error while the broker is frozen")
+            assert w.acked == acked_before  # a job whose delivery failed is not published
+        finally:
+            os.kill(own_broker.pid, signal.SIGCONT)
+        w.clock.now += 3600
+        w.settle(lambda: len(w.acked) == w.offset, 90, "every input acknowledged after the retry", force=True)
+        assert w.acked == list(range(w.offset))
+        windows = feature_windows(own_broker.bootstrap, cfg)
+        assert sorted(windows) == [T0 + i * SEC for i in range(6)]  # every window out (some twice: resent)
+        assert w.proc.scorer.stats.node_windows == 6  # computed and scored once, however often sent
+        # the job's newest state is the last one on <prefix>.model-state: a resent older job did not overtake it
+        states = [JobState.decode(m.value()) for m in read_topic(own_broker.bootstrap, cfg.topic("model-state"))]
+        assert states and states[-1].last_window_ns == T0 + 5 * SEC, [s.last_window_ns for s in states]
+    finally:
+        w.close()
+
+
+def test_a_producer_that_reports_no_deliveries_is_refused(tmp_path):
+    """An Outbox collects messages and delivers none: as the processor's producer, its jobs would wait forever."""
+    cfg = Config(data_dir=tmp_path)
+    with pytest.raises(TypeError):
+        Outbox().produce("t", b"v", on_delivery=lambda err, msg: None)
+
+    class NoPoll:
+        def produce(self, *a, **kw):
+            pass
+    with pytest.raises(TypeError):
+        StreamProcessor(cfg, producer=NoPoll(), states=object())
