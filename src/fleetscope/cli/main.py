@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     db = sub.add_parser("db", help="store administration")
     db_sub = db.add_subparsers(dest="db_command", required=True)
     db_sub.add_parser("migrate", help="apply pending numbered migrations from sql/").set_defaults(func=cmd_migrate)
+    from fleetscope.cli.kafka_engine import register as register_kafka_engine
+    register_kafka_engine(db_sub)
 
     q = sub.add_parser("query", help="run read-only SQL against the store (reaches a running `fleetscope up`)")
     q.add_argument("sql", nargs="?", help="SQL; pass values as {name:Type} placeholders with --param")
