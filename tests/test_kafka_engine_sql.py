@@ -106,6 +106,22 @@ def test_the_cli_prints_the_rendered_sql(capsys, tmp_path):
     assert "demo.raw.nvml" in out and "kafka_num_consumers = 2" in out
 
 
+def test_sink_no_raw_leaves_exactly_the_raw_topics_to_the_engine():
+    """`fleetscope sink --no-raw` beside the engine: the sink's subscription is its usual one less the raw
+    topics the engine reads, so no raw row is stored by both."""
+    from fleetscope.cli.main import build_parser
+    from fleetscope.streams.sink.consumer import sink_topics
+    from fleetscope.streams.sink.service import subscribed_topics
+    cfg = Config(topic_prefix=PREFIX)
+    assert build_parser().parse_args(["sink", "--no-raw"]).no_raw is True
+    assert build_parser().parse_args(["sink"]).no_raw is False
+    engine_topics = set(PARAMS.raw_topics())
+    assert subscribed_topics(cfg, raw=True) == sink_topics(cfg)
+    without = subscribed_topics(cfg, raw=False)
+    assert set(without) == set(sink_topics(cfg)) - engine_topics
+    assert engine_topics <= set(sink_topics(cfg)) and cfg.topic("dlq") in without
+
+
 # ---- what chDB can check -----------------------------------------------------------------------------------
 
 def test_chdb_parses_both_statements():

@@ -35,7 +35,8 @@
 -- What it does NOT do, that `fleetscope sink` does; say so to whoever chooses this path:
 --   * No dead letters from here: a rejected message is dropped by the view, without a row anywhere.
 --     The stream worker reads the same raw topics and dead-letters the same messages (with its reason)
---     on <prefix>.dlq, which `fleetscope sink` stores in dlq; so keep the sink running for derived topics.
+--     on <prefix>.dlq, which `fleetscope sink` stores in dlq. So keep the sinks for derived topics, the
+--     DLQ and model state, started as `fleetscope sink --no-raw`: a sink without it stores raw rows too.
 --   * No checksum: the CRC-32 in the Arrow metadata is not checked (SQL cannot see it), so a corrupted
 --     message that still parses (most single bit flips in a zstd stream do) is stored as it reads.
 --     Nor does it check that the headers agree with the payload's own metadata.

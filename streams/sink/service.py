@@ -12,14 +12,21 @@ import threading
 from fleetscope.kafka_settings import client_conf
 from fleetscope.store import open_store
 from fleetscope.store.endpoint import QueryEndpoint
-from fleetscope.topics import prepare_topics
+from fleetscope.topics import RAW_SOURCES, prepare_topics
 from fleetscope.streams.sink.consumer import POLL_RECORDS, Sink, sink_topics
 from fleetscope.streams.sink.sink_metrics import SinkMetrics
 
 log = logging.getLogger(__name__)
 
 
-def run_sink(cfg, bootstrap: str, stop: threading.Event | None = None) -> None:
+def subscribed_topics(cfg, raw: bool = True) -> list[str]:
+    """The sink's topics; without the raw ones (`--no-raw`) where ClickHouse's Kafka engine stores them
+    (sql/kafka_engine/), so that no raw row is stored twice."""
+    raw_topics = {cfg.raw_topic(s) for s in RAW_SOURCES}
+    return [t for t in sink_topics(cfg) if raw or t not in raw_topics]
+
+
+def run_sink(cfg, bootstrap: str, stop: threading.Event | None = None, raw: bool = True) -> None:
     from confluent_kafka import Consumer, Producer
     prepare_topics(cfg, bootstrap)
     store = open_store(cfg.data_dir, cfg.database, cfg.clickhouse_url, cfg.ttl_days, prefer_endpoint=False)
@@ -35,7 +42,7 @@ def run_sink(cfg, bootstrap: str, stop: threading.Event | None = None) -> None:
                                                         "client.id": "fleetscope-sink"}))
     sink = Sink(cfg, metrics.store, consumer, producer, poll_records=POLL_RECORDS)
     metrics.watch(sink)
-    consumer.subscribe(sink_topics(cfg), on_assign=sink.on_assign)
+    consumer.subscribe(subscribed_topics(cfg, raw), on_assign=sink.on_assign)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
