@@ -8,7 +8,8 @@ from fleetscope.streams.model.ensemble import DETECTORS, Rule
 
 
 LIMITS = {"max_features": 4096, "k": 64, "max_components": 64, "dspot_depth": 1_000_000, "hst_trees": 100,
-          "hst_height": 12, "hst_window": 1_000_000, "top_k": 4096, "warmup_windows": 1_000_000}
+          "hst_height": 12, "hst_window": 1_000_000, "top_k": 4096, "warmup_windows": 1_000_000,
+          "peer_offset_min_obs": 1_000_000}
 
 
 @dataclass
@@ -42,6 +43,9 @@ class ModelConfig:
     peer_z_threshold: float = 6.0
     peer_min_ranks: int = 3
     peer_rel_floor: float = 0.02
+    peer_offset_rate: float = 0.02    # each rank's usual offset from its peers (peers.RankOffsets): cumulative
+                                      # mean over its first 1/rate windows, then this rate; 0: no offsets
+    peer_offset_min_obs: int = 8      # ... used once a rank's feature has this many windows (before: plain peer z)
     # ensemble
     detectors: tuple[str, ...] = ("gmm", "peer", "mahalanobis", "hst")   # which run
     rule: str = "gmm or peer"                                            # which decide
@@ -58,6 +62,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= most:
                 raise ValueError(f"{name}={value!r} must be between 0 and {most}")
+        if not 0.0 <= self.peer_offset_rate <= 1.0:
+            raise ValueError(f"peer_offset_rate={self.peer_offset_rate!r} must be between 0 and 1")
         unknown = [d for d in self.detectors if d not in DETECTORS]
         if unknown:
             raise ValueError(f"unknown detector(s) {unknown}; known: {DETECTORS}")

@@ -38,6 +38,8 @@ class WindowCells:
     compare: np.ndarray | None   # the admitted features (None: all), for decisions among established dims
     learn: bool             # False for a replayed window: score it, learn nothing from it
     shadow: bool = False    # these cells include late features: a shadow score, not the window's
+    ranks: np.ndarray | None = None   # each row's rank (for detectors that keep per-rank state)
+    warm: bool = False      # the job model is past its warm-up (its thresholds apply)
 
     def with_late_features(self, cells: np.ndarray, Zc: np.ndarray) -> "WindowCells":
         return replace(self, scored=cells, Zs=Zc, shadow=True)

@@ -104,7 +104,8 @@ class JobModel:
         usable = M & ready
         Z = self.scaler.transform(X, usable)
         S = adm.mask(usable)                   # the scored features' cells
-        w = WindowCells(X, M, usable, Z, S, zeroed_outside(Z, S, usable), adm.scored, learn=not replay)
+        w = WindowCells(X, M, usable, Z, S, zeroed_outside(Z, S, usable), adm.scored, learn=not replay,
+                        ranks=ranks, warm=self.warm)
         scores = {name: det.score(w) for name, det in self.detectors.items()}
         scorable = S.any(axis=1)               # rows with a scored cell; the others cannot be judged
         self.stats["unscorable_rows"] += int((~scorable).sum())

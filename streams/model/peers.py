@@ -18,6 +18,11 @@ instead, noisy p99 latencies of healthy ranks reached |z| 6-10 in about one
 window in ten). A feature whose ranks agree to the last digit still gets
 ``rel_floor`` of its size.
 Features observed by fewer than ``min_ranks`` ranks get z = 0 (no peers).
+
+A rank may differ from its peers by design (a larger batch, another pipeline
+stage, another data shard): the peer detector then judges each rank against
+its own usual place among its peers (RankOffsets), so that only a change in a
+rank's offset is flagged, never the offset it has had from the start.
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ class PeerComparison:
         self.typical_rate = typical_rate
         self.typical = np.zeros(0)     # running healthy spread per feature (NaN until seen)
         self.floors = np.zeros(0)      # relative floor per feature (from its name)
+        self.last: tuple | None = None  # (columns, x - median, scale, observed) of the last window compared
 
     def grow(self, d: int, names: list[str] | None = None) -> None:
         extra = d - self.typical.size
@@ -79,6 +85,7 @@ class PeerComparison:
         n, D = X.shape
         self.grow(D)
         enough = observed.sum(axis=0) >= self.min_ranks
+        self.last = None
         if n < self.min_ranks or not enough.any():
             return np.zeros((n, D))
         cols = np.flatnonzero(enough)
@@ -95,6 +102,7 @@ class PeerComparison:
         zc = diff / scale
         if not dense:
             zc[~Oc] = 0.0
+        self.last = (cols, diff, scale, Oc)   # the window's parts, for RankOffsets
         if learn:
             inlier = np.abs(zc) < learn_below
             if not dense:
@@ -118,28 +126,202 @@ class PeerComparison:
         self.typical = arrays.take("typical", "f8", (dim,))
 
 
+OFFSET_SLACK = 1.0        # peer scales of a rank's learned offset left in its z (see RankOffsets.adjust)
+SPREAD_SLACK = 1.25       # a rank's own spread within this factor of the usual rank's does not widen its scale
+RECENT = 5                # windows of each rank's recent differences kept per feature (their median)
+MAX_OFFSET_RANKS = 512    # ranks of one job whose offsets are kept (bounded: a checkpoint carries them);
+                          # further ranks are judged by plain peer z
+
+
+def _median_of_filled(B: np.ndarray, filled: np.ndarray) -> np.ndarray:
+    """Median over the last axis of B's first ``filled`` entries (NaN sorts last; filled >= 1)."""
+    S = np.sort(B, axis=-1)
+    lo = np.take_along_axis(S, ((filled - 1) // 2)[..., None], axis=-1)[..., 0]
+    hi = np.take_along_axis(S, (filled // 2)[..., None], axis=-1)[..., 0]
+    return 0.5 * (lo + hi)
+
+
+class RankOffsets:
+    """Each rank's usual offset from its peers, per feature, learned online with no healthy baseline.
+
+    For rank r and feature j the window's difference from the peer median is d = x - median_j, and
+    scale_j the window's peer scale (PeerComparison). RankOffsets keeps, per (r, j), the last
+    RECENT differences d, and
+        offset  while the job model warms up: the median of those recent d (a median, because many
+                features are mostly 0 with bursts, page faults or bytes read, and because a job's
+                start-up looks alike on every rank: the offset is the rank's place after it);
+                once the model is warm it follows that median at a bounded speed, at most ``rate``
+                of max(scale_j, the rank's own spread) per window.
+    Once the cell has ``min_obs`` observations the peer detector's z becomes
+        z' = (d - shrunk offset) / (scale_j * widen)
+    - the shrunk offset is the part of the offset beyond OFFSET_SLACK peer scales: a rank within
+      the peers' usual spread is judged exactly as before;
+    - widen >= 1 is how much noisier this rank is than the job's usual rank (the median over ranks
+      of each one's spread of its recent d, or the peer scale if larger), beyond SPREAD_SLACK.
+    A rank that has run twice the batch of its peers from the start has z' near 0; a rank whose
+    place among its peers changes once the model is warm (a straggler from mid-run) gets z' = z,
+    and keeps it: after T windows of a change its offset has moved at most T * ``rate`` of its spread
+    (0.6 of it after a 30-window straggler at the default 0.02).
+    Every window is remembered, flagged or not, so no offset is ever locked at a stale value;
+    the bounded speed is what keeps a real straggler from being learned as the new normal.
+    The price: a rank already odd when the job starts is taken as it is.
+    """
+
+    def __init__(self, rate: float = 0.02, min_obs: int = 8):
+        self.rate = rate
+        self.min_obs = min_obs
+        self.ranks: dict[int, int] = {}       # rank -> row of the arrays below
+        self.offset = np.zeros((0, 0))
+        self.recent = np.zeros((0, 0, RECENT))  # ring of the last RECENT d (NaN: not yet seen)
+        self.count = np.zeros((0, 0), np.int64)  # d seen per cell (the ring's next slot: count % RECENT)
+        self.spread = np.zeros((0, 0))          # each cell's usual |d - offset| (see learn)
+
+    @property
+    def dim(self) -> int:
+        return self.offset.shape[1]
+
+    def grow(self, d: int) -> None:
+        extra = d - self.dim
+        if extra > 0:
+            r = self.offset.shape[0]
+            self.offset = np.hstack([self.offset, np.zeros((r, extra))])
+            self.recent = np.concatenate([self.recent, np.full((r, extra, RECENT), np.nan)], axis=1)
+            self.count = np.hstack([self.count, np.zeros((r, extra), np.int64)])
+            self.spread = np.hstack([self.spread, np.zeros((r, extra))])
+
+    def rows(self, ranks, add: bool) -> np.ndarray:
+        """Row of each rank (-1: not kept); ``add``: new ranks get a row while there is room."""
+        out = np.full(len(ranks), -1, np.int64)
+        for i, r in enumerate(ranks):
+            row = self.ranks.get(int(r))
+            if row is None and add and len(self.ranks) < MAX_OFFSET_RANKS:
+                row = self.ranks[int(r)] = len(self.ranks)
+                d = self.dim
+                self.offset = np.vstack([self.offset, np.zeros((1, d))])
+                self.recent = np.concatenate([self.recent, np.full((1, d, RECENT), np.nan)], axis=0)
+                self.count = np.vstack([self.count, np.zeros((1, d), np.int64)])
+                self.spread = np.vstack([self.spread, np.zeros((1, d))])
+            if row is not None:
+                out[i] = row
+        return out
+
+    def adjust(self, rows: np.ndarray, cols: np.ndarray, diff: np.ndarray, scale: np.ndarray,
+               observed: np.ndarray) -> np.ndarray:
+        """z' of the window's compared cells (rows x cols)."""
+        kept = rows >= 0
+        off = np.zeros_like(diff)
+        widen = np.ones_like(diff)
+        if kept.any():
+            r = rows[kept]
+            known = self.count[np.ix_(r, cols)] >= self.min_obs
+            learned = np.where(known, self.offset[np.ix_(r, cols)], 0.0)
+            off[kept] = np.sign(learned) * np.maximum(np.abs(learned) - OFFSET_SLACK * scale, 0.0)
+            has = known & observed[kept]
+            enough = has.sum(axis=0) >= 3
+            if enough.any():
+                own = MEAN_AD_TO_SIGMA * self.spread[np.ix_(r, cols[enough])]
+                usual = np.maximum(_masked_median(own, has[:, enough]), scale[enough])
+                sub = np.ones(has.shape)
+                sub[:, enough] = np.where(has[:, enough], np.maximum(own / (SPREAD_SLACK * usual), 1.0), 1.0)
+                widen[kept] = sub
+        z = (diff - off) / (scale * widen)
+        return np.where(observed, z, 0.0)
+
+    def learn(self, rows: np.ndarray, cols: np.ndarray, diff: np.ndarray, scale: np.ndarray,
+              observed: np.ndarray, warm: bool, weights: np.ndarray) -> None:
+        kept = rows >= 0
+        if not kept.any():
+            return
+        r = rows[kept]
+        ix = np.ix_(r, cols)
+        d = diff[kept]
+        learn = observed[kept] & np.isfinite(d)
+        if not learn.any():
+            return
+        n = self.count[ix]
+        # a cell is fast (its offset is the median of its recent d) while the model warms up, and for its
+        # first ``min_obs`` windows when it shows up later (a rank's feature that appears after warm-up)
+        fast = np.broadcast_to(not warm, n.shape) | (n < self.min_obs)
+        # the rank's own wobble: every window while fast, then only the windows the model did not flag,
+        # at ``rate`` (a straggler's erratic windows must not widen its own scale)
+        wobble = learn & (fast | (weights[kept] >= 1.0)[:, None])
+        step = np.where(fast, np.maximum(1.0 / (n + 1), self.rate), self.rate)
+        off = self.offset[ix]
+        dev = np.abs(np.where(learn, d, 0.0) - off)
+        spread = self.spread[ix]
+        spread = np.where(wobble, np.where(n == 0, 0.0, spread + step * (dev - spread)), spread)
+        self.spread[ix] = spread
+        ri, ci = np.nonzero(learn)
+        self.recent[r[ri], cols[ci], n[ri, ci] % RECENT] = d[ri, ci]
+        self.count[ix] = n + learn
+        med = _median_of_filled(self.recent[ix], np.maximum(np.minimum(n + learn, RECENT), 1))
+        bound = self.rate * np.maximum(np.broadcast_to(scale, off.shape), MEAN_AD_TO_SIGMA * spread)
+        new = np.where(fast, med, off + np.clip(med - off, -bound, bound))
+        self.offset[ix] = np.where(learn, new, off)
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        ranks = np.array(sorted(self.ranks, key=self.ranks.get), np.int64)
+        return {"ranks": len(self.ranks)}, {"offset_ranks": ranks, "offset": self.offset,
+                                            "offset_recent": self.recent, "offset_count": self.count,
+                                            "offset_spread": self.spread}
+
+    def load(self, meta: dict, arrays, dim: int) -> None:
+        n = arrays.count(meta, "ranks", MAX_OFFSET_RANKS)
+        ranks = arrays.take("offset_ranks", "i8", (n,))
+        if len(set(ranks.tolist())) != n:
+            arrays.fail("offset_ranks: a rank appears twice")
+        offset = arrays.take("offset", "f8", (n, dim))
+        recent = arrays.take("offset_recent", "f8", (n, dim, RECENT))
+        count = arrays.take("offset_count", "i8", (n, dim))
+        spread = arrays.take("offset_spread", "f8", (n, dim))
+        if not (np.isfinite(offset).all() and np.isfinite(spread).all()) or (count < 0).any() \
+                or (spread < 0).any() or np.isinf(recent).any():
+            arrays.fail("offset: not finite, or a negative count or spread")
+        self.offset, self.recent, self.count, self.spread = offset, recent, count, spread
+        self.ranks = {int(r): i for i, r in enumerate(ranks.tolist())}
+
+    def nbytes(self) -> int:
+        return self.offset.nbytes + self.recent.nbytes + self.count.nbytes + self.spread.nbytes
+
+
 class PeerDetector:
-    """Peer comparison as a detector: a row's score is its largest |robust z| over its features,
-    and it flags at ``fixed_threshold``. The typical spread learns while scoring (from the cells
-    below the threshold), so ``learn`` has nothing left to do."""
+    """Peer comparison as a detector: a row's score is its largest |z'| over its features, z' being
+    the robust peer z measured from the rank's own usual offset (RankOffsets), and it flags at
+    ``fixed_threshold``. The typical spread learns while scoring (from the cells below the threshold);
+    the ranks' offsets learn in ``learn``."""
     name = "peer"
     admits_late = False
     explains = "peer_z"
 
-    def __init__(self, comparison: PeerComparison, z_threshold: float):
+    def __init__(self, comparison: PeerComparison, z_threshold: float, offsets: RankOffsets | None = None):
         self.peers = comparison
         self.fixed_threshold = z_threshold
+        self.offsets = offsets          # None: plain peer z (every rank judged against the median rank)
         self._z: tuple[np.ndarray, np.ndarray] | None = None
+        self._window = None             # (window, rows, cols, diff, observed, z') for learn
 
     @classmethod
     def from_config(cls, c) -> "PeerDetector":
-        return cls(PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor), c.peer_z_threshold)
+        offsets = RankOffsets(c.peer_offset_rate, c.peer_offset_min_obs) if c.peer_offset_rate > 0 else None
+        return cls(PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor), c.peer_z_threshold,
+                   offsets)
 
     def grow(self, d: int, names: list[str]) -> None:
         self.peers.grow(d, names)
+        if self.offsets is not None:
+            self.offsets.grow(d)
 
     def score(self, w) -> np.ndarray:
         z = self.peers.zscores(w.X, w.observed, learn=w.learn, learn_below=self.fixed_threshold)
+        self._window = None
+        last = self.peers.last
+        if self.offsets is not None and last is not None and w.ranks is not None:
+            cols, diff, scale, Oc = last
+            rows = self.offsets.rows(w.ranks, add=w.learn)
+            za = self.offsets.adjust(rows, cols, diff, scale, Oc)
+            z[:, cols] = za
+            if w.learn:
+                self._window = (w, rows, cols, diff, scale, Oc, za)
         self._z = (z, w.observed)
         return np.abs(z).max(axis=1, initial=0.0)
 
@@ -148,16 +330,32 @@ class PeerDetector:
         return TopFeatures(from_z, observed & (from_z != 0), np.abs(from_z), names, k)
 
     def learn(self, w, weights: np.ndarray) -> None:
-        pass
+        win = self._window
+        self._window = None
+        if win is None or win[0] is not w:
+            return
+        _, rows, cols, diff, scale, Oc, za = win
+        self.offsets.learn(rows, cols, diff, scale, Oc, w.warm, np.asarray(weights, float))
 
     def rescale(self, change) -> None:
         pass                      # works on raw values: the standardization is not its business
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
-        return {}, self.peers.state()
+        arrays = dict(self.peers.state())
+        if self.offsets is None:
+            return {}, arrays
+        meta, a = self.offsets.state()
+        arrays.update(a)
+        return {"offsets": meta}, arrays
 
     def load(self, meta: dict, arrays, dim: int) -> None:
         self.peers.load(arrays, dim)
+        saved = meta.get("offsets") if isinstance(meta, dict) else None
+        if self.offsets is not None and saved is not None:
+            self.offsets.load(saved, arrays, dim)
+        elif saved is not None:
+            arrays.fail("offsets: saved, but this model learns none (peer_offset_rate = 0)")
+        # a checkpoint from before the offsets: they relearn, as after the job's start
 
     def nbytes(self) -> int:
-        return self.peers.typical.nbytes
+        return self.peers.typical.nbytes + (self.offsets.nbytes() if self.offsets is not None else 0)
