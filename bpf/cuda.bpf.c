@@ -33,6 +33,8 @@ BPF_HASH(launches, struct gpu_sub_key, u64, 16384);    /* (pid, api, host stub o
 BPF_HASH(memcpy_kind, struct gpu_sub_key, u64, 1024);  /* (pid, api, cudaMemcpyKind) -> bytes */
 BPF_HASH(allocs, struct gpu_sub_key, u64, 262144);     /* (pid, ALLOC_*, pointer) -> size, live allocations */
 BPF_HASH(mem, u32, struct cuda_mem_stats, 1024);       /* per pid */
+struct nccl_sync_stats { u64 wait_ns, syncs; };        /* cumulative */
+BPF_HASH(nccl_sync, u32, struct nccl_sync_stats, 1024); /* per pid: syncs that followed a collective */
 
 /* bcc rewrites map calls only outside macros, and its increment() cannot
  * report a full map: these add with loss counting. */
@@ -112,6 +114,26 @@ static __always_inline u64 note_free(u32 pid, u32 kind, u64 ptr) {
     return bytes;
 }
 
+/* A sync call's time is the host's wait for what it waits on. The first sync a
+ * thread makes after an NCCL call that enqueued work (the NCCL program's mark
+ * in nccl_enqueued, see gpu_calls.bpf.c) waits for that collective, which the
+ * NCCL call itself only enqueued: its wait counts, and the mark is taken away,
+ * so later syncs and syncs with no collective before them do not. */
+static __always_inline void note_sync(u32 pid, u64 pid_tgid, struct gpu_inflight *f, u64 dur) {
+    u64 *done = nccl_enqueued.lookup(&pid_tgid);
+    if (!done || *done > f->ts)
+        return;
+    nccl_enqueued.delete(&pid_tgid);
+    struct nccl_sync_stats z = {};
+    struct nccl_sync_stats *s = nccl_sync.lookup_or_try_init(&pid, &z);
+    if (!s) {
+        count_lost();
+        return;
+    }
+    __sync_fetch_and_add(&s->wait_ns, dur);
+    __sync_fetch_and_add(&s->syncs, 1);
+}
+
 static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     struct gpu_inflight f;
@@ -158,6 +180,8 @@ static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
         f.arg[1] = bytes;
         break;
     }
+    if (f.family == FAM_sync)
+        note_sync(pid, pid_tgid, &f, dur);
     gpu_call_record(pid_tgid, &f, dur, rc, bytes);
     return 0;
 }

@@ -41,7 +41,7 @@ BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
                                "cuda_errors_per_s"),
                       "node": ()},
     "nccl_features": {"rank": ("nccl_calls_per_s", "nccl_bytes_per_s", "nccl_time_frac", "nccl_algbw_gbps",
-                               "nccl_lat_p50_ns", "nccl_lat_p99_ns",
+                               "nccl_lat_p50_ns", "nccl_lat_p99_ns", "nccl_sync_wait_frac",
                                *(f"nccl_{op.lower()}_lat_p99_ns" for op in COLLECTIVES),
                                *(f"nccl_{op.lower()}_algbw_gbps" for op in COLLECTIVES)), "node": ()},
     "python_features": {"rank": ("python_gc_frac", "python_gc_per_s", "python_calls_per_s", "python_top_func_share"),

@@ -12,9 +12,10 @@ from fleetscope.streams.proc_features import proc_features
 from fleetscope.streams.trace_features import cuda_features, nccl_features, python_features, torch_features
 from fleetscope.streams.windows import Window
 
-FEATURE_VERSION = 5  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*);
+FEATURE_VERSION = 6  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*);
 #                      4: gloo collective waits (torch_comm_wait_frac, torch_work_wait_frac, torch_comm_waits_per_s);
-#                      5: cuda_pinned_live_bytes, python_top_func_share from py-spy samples without USDT
+#                      5: cuda_pinned_live_bytes, python_top_func_share from py-spy samples without USDT;
+#                      6: nccl_sync_wait_frac (the first sync after a collective)
 BUILDERS = (host_features, gpu_features, kernel_features, proc_features, cuda_features, nccl_features,
             python_features, torch_features)
 

@@ -101,6 +101,11 @@ def nccl_features(w: Window) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     span = _window_s(w)
+    # nccl.dur_ns is host-side enqueue time (a collective returns once its work is queued); the time the
+    # host then blocks in its first sync call after a collective (the CUDA tracer's rows, paired in BPF)
+    # is the collective's own time, slow peers included. No rows (no CUDA tracer, no such sync yet): masked.
+    sync_wait_ns = _sum(w, "cuda", "cuda.nccl_sync_wait_ns")
+    _put(out, "nccl_sync_wait_frac", None if sync_wait_ns is None else sync_wait_ns / 1e9 / span)
     calls = _sum(w, "nccl", "nccl.calls", COLLECTIVES)
     if calls is None:
         return out

@@ -23,7 +23,8 @@ RANK_ROWS = {   # source -> (metric, device, value, interval_ns): every metric t
              ("cuda.lat_p50_ns", MEMCPY_APIS[0], 1e3, 0), ("cuda.lat_p99_ns", MEMCPY_APIS[0], 1e4, 0),
              ("cuda.mem_live_bytes", "all", 1e9, 0), ("cuda.pinned_live_bytes", "all", 1e6, 0),
              ("cuda.malloc_bytes", "cudaMalloc", 1e6, TICK),
-             ("cuda.free_bytes", "cudaFree", 1e5, TICK), ("cuda.errors", "cudaMemcpy", 0, TICK)],
+             ("cuda.free_bytes", "cudaFree", 1e5, TICK), ("cuda.errors", "cudaMemcpy", 0, TICK),
+             ("cuda.nccl_sync_wait_ns", "all", 1e6, TICK)],
     "nccl": [row for op in COLLECTIVES for row in (
         ("nccl.calls", op, 5, TICK), ("nccl.bytes", op, 1e6, TICK), ("nccl.dur_ns", op, 1e6, TICK),
         ("nccl.lat_p50_ns", op, 1e5, 0), ("nccl.lat_p99_ns", op, 2e5, 0))],

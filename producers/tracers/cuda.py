@@ -14,6 +14,15 @@ Rows (source "cuda"), per pid:
   cuda.pinned_live_bytes, cuda.pinned_live_allocs (gauges), device "all":
   the same for page-locked host memory (cudaMallocHost, cudaHostAlloc,
   cuMemHostAlloc, cuMemAllocHost), which is host RAM, not GPU memory;
+- cuda.nccl_sync_wait_ns, cuda.nccl_syncs (deltas, device "all", once the
+  process has made one): the time blocked in, and the number of, sync calls
+  (cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize,
+  cuStreamSynchronize) that were the first on their thread after an NCCL call
+  that enqueued work. NCCL calls return once their work is enqueued, so
+  nccl.dur_ns is host-side enqueue time; this wait is what the host spent on
+  the collective itself (peers included). Paired in BPF through the map the
+  NCCL program marks (gpu_calls.py); a sync on another thread than the
+  collective's is not paired;
 - cuda.launches, device = the kernel's name from the host stub's symbol (at most
   `symbol_cap` names per pid, then "other"); driver launches pass a CUfunction
   handle, not code, and show as "CUfunction@0x...";
@@ -74,13 +83,14 @@ class CudaTracer(GpuCallTracer):
         _drv("cuMemFreeHost", "memory", has_bytes=True),
         _drv("cuStreamSynchronize", "sync"),
     )
-    PID_MAPS = ("stats", "launches", "memcpy_kind", "allocs", "mem")
+    PID_MAPS = ("stats", "launches", "memcpy_kind", "allocs", "mem", "nccl_sync")
     _HOST_STUB_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchCooperativeKernel")
 
     def __init__(self, host: str, resolver=None, detail: bool = False, symbol_cap: int = 256, **kw):
         super().__init__(host, resolver, detail=detail, **kw)
         self.symbols = Symbolizer(cap=symbol_cap)
         self._prev_mem: dict[int, tuple[int, ...]] = {}
+        self._prev_nccl_sync: dict[int, tuple[int, int]] = {}
 
     def _kernel_name(self, pid: int, api: str, func: int) -> str:
         if api in self._HOST_STUB_LAUNCHES:
@@ -110,6 +120,13 @@ class CudaTracer(GpuCallTracer):
                          ("cuda.pinned_free_bytes", "all", cur[5] - prev[5], pid, interval, frac),
                          ("cuda.pinned_live_bytes", "all", cur[4] - cur[5], pid, 0, frac),
                          ("cuda.pinned_live_allocs", "all", cur[6] - cur[7], pid, 0, frac)]
+        frac = fracs["sync"]
+        for k, s in self.bpf[b"nccl_sync"].items():
+            pid, cur = int(k.value), (int(s.wait_ns), int(s.syncs))
+            prev = self._prev_nccl_sync.get(pid, (0, 0))
+            self._prev_nccl_sync[pid] = cur
+            rows += [("cuda.nccl_sync_wait_ns", "all", cur[0] - prev[0], pid, interval, frac),
+                     ("cuda.nccl_syncs", "all", cur[1] - prev[1], pid, interval, frac)]
         return rows
 
     def add_pid(self, pid: int) -> bool:
@@ -120,6 +137,7 @@ class CudaTracer(GpuCallTracer):
 
     def _forget(self, pid: int) -> None:
         self._prev_mem.pop(pid, None)
+        self._prev_nccl_sync.pop(pid, None)
         self.symbols.forget(pid)
 
     def _decode(self, api: Api, pid: int, a: list[int]) -> dict:

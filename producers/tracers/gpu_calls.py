@@ -12,6 +12,13 @@ period, where single perf-event uprobes paid ~0.1 s per probe.
 A subclass names its source, BPF file, libraries and API table, and adds its
 own rows (`_extra_rows`) and detail-record decoding (`_decode`).
 
+The NCCL and CUDA programs share one map, `nccl_enqueued` (bpf/gpu_calls.bpf.c):
+an NCCL call that enqueued work marks its thread, and the CUDA program counts
+the thread's next sync call as the wait for it (cuda.nccl_sync_wait_ns). bcc
+shares a map between programs of one process by name: `_share_nccl_enqueued`
+makes it once per process, in a program of its own that is never unloaded, so
+either tracer may load first, alone, or again.
+
 Per (pid, api) each sample emits <source>.calls, .dur_ns, .errors (deltas),
 .bytes (delta, for byte-moving APIs) and .lat_p50_ns/.lat_p99_ns (gauges over
 the interval's calls, from a quarter-octave histogram: a reported percentile
@@ -23,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -41,6 +49,18 @@ log = logging.getLogger(__name__)
 LAT_BUCKETS = 128  # GPU_LAT_BUCKETS in bpf/events.h
 _STATS_HEAD = 4    # calls, dur_ns, errors, bytes precede the histogram
 DRIVER_TAG = 1 << 63  # as in bpf/cuda.bpf.c: a driver call's cookie and in-flight key carry it
+NCCL_ENQUEUED_MAX = 65536  # threads with a collective not yet followed by a sync (LRU)
+_shared: dict[str, object] = {}
+_shared_lock = threading.Lock()
+
+
+def _share_nccl_enqueued() -> None:
+    """Make the map both programs name "extern" (once per process; kept for the process's life)."""
+    from bcc import BPF
+    with _shared_lock:
+        if "nccl_enqueued" not in _shared:
+            text = f'BPF_TABLE_SHARED("lru_hash", u64, u64, nccl_enqueued, {NCCL_ENQUEUED_MAX});'
+            _shared["nccl_enqueued"] = BPF(text=text.encode(), cflags=["-Wno-everything"])
 
 
 @dataclass(frozen=True)
@@ -92,12 +112,13 @@ class GpuCallTracer:
         self.api_ids = {a.symbol: i for i, a in enumerate(self.APIS)}
         self.family_ids = {f: i for i, f in enumerate(self.FAMILIES)}
         flags = [f"-I{BPF_DIR}", "-Wno-everything", f"-DN_FAMILIES={len(self.FAMILIES)}",
-                 f"-DRING_PAGES={ring_pages}"]
+                 f"-DRING_PAGES={ring_pages}", f"-DNCCL_ENQUEUED_MAX={NCCL_ENQUEUED_MAX}"]
         flags += [f"-DAPI_{s}={i}" for s, i in self.api_ids.items()]
         flags += [f"-DFAM_{f}={i}" for f, i in self.family_ids.items()]
         if detail:
             flags.append("-DDETAIL")
         try:
+            _share_nccl_enqueued()
             # the shared pairing code goes in front: bcc rewrites map calls only in the text it is given
             text = (BPF_DIR / "gpu_calls.bpf.c").read_bytes() + (BPF_DIR / self.BPF_FILE).read_bytes()
             self.bpf = BPF(text=text, cflags=flags)

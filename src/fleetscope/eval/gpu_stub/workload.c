@@ -5,6 +5,7 @@
  *   workload MODE LIBDIR ITERS RATE_HZ LOAD [go]
  *     MODE      cuda | nccl | nccl_torch (communicators made as PyTorch makes them:
  *               ncclCommInitRankConfig, then ncclCommSplit, and ncclCommInitAll) |
+ *               nccl_sync (libnccl and libcudart: syncs with and without a collective before them) |
  *               launch (a tight cudaLaunchKernel loop, for the benchmark)
  *     ITERS     iterations; -1 runs until killed
  *     RATE_HZ   iterations per second; 0 = as fast as possible
@@ -150,6 +151,30 @@ static void nccl_iter(long i) {
     ncclGroupEnd();
 }
 
+/* Per iteration: a sync with no collective before it, an all-reduce, the sync
+ * that waits for it, and a second sync (not the collective's). Set the syncs'
+ * durations apart (GPU_STUB_DELAY_US) to tell which were counted. */
+static void nccl_sync_iter(long i) {
+    void *h = rt;
+    F(int, cudaStreamSynchronize, void *);
+    F(int, cudaDeviceSynchronize, void);
+    F(int, cudaEventSynchronize, void *);
+    h = nc;
+    F(int, ncclCommInitRank, void **, int, ncclUniqueId, int);
+    F(int, ncclAllReduce, const void *, void *, size_t, int, int, void *, void *);
+    static void *comm;
+    static char buf[4096];
+    if (i == 0) {
+        ncclUniqueId id;
+        memset(&id, 0x11, sizeof id);
+        ncclCommInitRank(&comm, 2, id, 0);
+    }
+    cudaEventSynchronize((void *)0x7000);
+    ncclAllReduce(buf, buf, 1000, 7, 0, comm, S);
+    cudaStreamSynchronize(S);
+    cudaDeviceSynchronize();
+}
+
 static void launch_iter(long i) {
     static int (*launch)(const void *, dim3, dim3, void **, size_t, void *);
     if (!launch) launch = sym(rt, "cudaLaunchKernel");
@@ -172,6 +197,7 @@ int main(int argc, char **argv) {
         nc = lib(dir, "libnccl.so.2");
         iteration = nccl_iter;
         torch_style = strcmp(mode, "nccl_torch") == 0;
+        if (strcmp(mode, "nccl_sync") == 0) { rt = lib(dir, "libcudart.so.12"); iteration = nccl_sync_iter; }
     }
     else {
         rt = lib(dir, "libcudart.so.12");
