@@ -46,6 +46,8 @@ BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
                                *(f"nccl_{op.lower()}_algbw_gbps" for op in COLLECTIVES)), "node": ()},
     "python_features": {"rank": ("python_gc_frac", "python_gc_per_s", "python_calls_per_s", "python_top_func_share"),
                         "node": ()},
+    # streams/stack_signature.py: the id of the rank's top sampled Python function (a category, not a quantity)
+    "top_frame_features": {"rank": ("python_top_frame_id",), "node": ()},
     "torch_features": {"rank": ("torch_ops_per_s", *(f"torch_{cls}_ops_per_s" for cls, _ in TORCH_CLASSES),
                                 "torch_other_ops_per_s", "torch_op_time_frac", "torch_comm_wait_frac",
                                 "torch_comm_waits_per_s", "torch_work_wait_frac"), "node": ()},
@@ -68,7 +70,10 @@ JOB_GPU_FEATURES = frozenset(("job_gpu_ofu", "job_gpu_tensor_util"))
 # Computed at the join from the rank's window and its node's (streams/rank_context.py, irq_features.py):
 # the rank's CPUs' share of the node's device interrupts; peer z'd like JOINED_FEATURES.
 RANK_JOIN_FEATURES = frozenset(("irq_rank_cpu_share",))
-PEER_Z_FEATURES = RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES
+# Ids, not quantities (streams/stack_signature.py): compared for equality by the loud checks, never scored
+# by a model nor peer z'd (stack_signature.model_input leaves them out of the model's vector).
+CATEGORICAL_FEATURES = frozenset(("python_top_frame_id",))
+PEER_Z_FEATURES = (RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES) - CATEGORICAL_FEATURES
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
 JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio", "job_ofu_ratio"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.

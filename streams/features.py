@@ -9,6 +9,7 @@ from fleetscope.streams.gpu_features import gpu_features
 from fleetscope.streams.host_features import host_features
 from fleetscope.streams.kernel_features import kernel_features
 from fleetscope.streams.proc_features import proc_features
+from fleetscope.streams.stack_signature import top_frame_features
 from fleetscope.streams.trace_features import cuda_features, nccl_features, python_features, torch_features
 from fleetscope.streams.windows import Window
 
@@ -17,7 +18,7 @@ FEATURE_VERSION = 6  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-proces
 #                      5: cuda_pinned_live_bytes, python_top_func_share from py-spy samples without USDT;
 #                      6: nccl_sync_wait_frac (the first sync after a collective)
 BUILDERS = (host_features, gpu_features, kernel_features, proc_features, cuda_features, nccl_features,
-            python_features, torch_features)
+            python_features, top_frame_features, torch_features)
 
 
 def window_features(window: Window) -> dict[str, float]:

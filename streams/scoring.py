@@ -44,6 +44,7 @@ from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
 from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles
+from fleetscope.streams.stack_signature import model_input
 from fleetscope.streams.rank_context import RankContext, job_gpu_means, joined_peer_z
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
 from fleetscope.streams.sinks import token
@@ -179,7 +180,7 @@ class Scorer:
             # host, so in the model they flagged whole jobs whenever the host got busy (replayed on the
             # evaluation runs: healthy runs 53% of windows flagged with them, 0.7% without); they stay
             # in the anomaly's vector as evidence for diagnosis.
-            rows = [(w.key[3], v) for w, v in members]
+            rows = [(w.key[3], model_input(v)) for w, v in members]   # categorical ids stay out of the model
             model = self.model(tenant, job)
             admitted = model.stats["features_admitted"]
             # a rank whose memory drifts is held: neither the model nor its thresholds learn the leak
@@ -261,7 +262,7 @@ class Scorer:
             if f.kind not in s.detectors:
                 s.detectors.append(f.kind)
             evidence[f.index].update(f.features)
-            roles[f.index] = JOB if f.kind == "hung" else CULPRIT
+            roles[f.index] = f.role or (JOB if f.kind == "hung" else CULPRIT)
             loud_rows.add(f.index)
         rate = self.job_rates.step((tenant, job), start, evidence)
         if rate is not None:

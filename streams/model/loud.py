@@ -31,15 +31,26 @@ GPU, see streams/rank_context.py):
   collective probes attached this window (the torch tracer sends a measured
   0 while they are; the governor may detach them): unknown, not silent. The
   NCCL tracer sends rows only for calls, so its absence stays silence. The
-  stuck rank cannot be told from the ones it blocks with these features
-  (that needs each rank's stack, or a per-communicator sequence number in
-  the probes), so every rank gets role ``job``.
+  call rates cannot tell the stuck rank from the ones it blocks; their
+  sampled Python stacks can (as ByteRobust and Mycroft do with stack dumps):
+  each rank's latest ``python_top_frame_id`` seen since the silence began
+  (streams/stack_signature.py; "idle" for a rank whose every thread was
+  blocked, as ranks waiting in gloo or NCCL are). When every rank of the step
+  is stalled and has one, and a strict majority shares one signature while
+  the others differ, the others are ``culprit`` and the majority ``waiting``.
+  Otherwise (no sampler, a rank without a signature or not known to be
+  stalled, all alike, no majority) every rank gets role ``job``: never a
+  guess.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections import Counter
 from typing import Mapping, Sequence
+
+from fleetscope.streams.model.roles import CULPRIT, JOB, WAITING
+from fleetscope.streams.stack_signature import FEATURE as FRAME_FEATURE
 
 CALL_RATES = ("nccl_calls_per_s", "torch_comm_waits_per_s")
 ECC_COUNTS = ("gpu_ecc_uncorrected", "gpu_row_remap_pending")
@@ -55,6 +66,7 @@ class LoudFlag:
     kind: str                  # xid | ecc | vanished | hung
     features: dict[str, float] = field(default_factory=dict)
     start_ns: int | None = None  # a vanished rank: the window it went silent in (the first one missing)
+    role: str = ""             # set by the check itself (hung: culprit/waiting/job); "" lets the scorer decide
 
 
 class LoudFailures:
@@ -66,6 +78,7 @@ class LoudFailures:
         # (job) -> {(host, rank): [first missing step start, peers' steps without it]}; -1 once flagged
         self.missing: dict[tuple[str, str], dict[tuple[str, int], list[int]]] = {}
         self.silent: dict[tuple[str, str], list[int]] = {}         # the job's silent steps in a row
+        self.frames: dict[tuple[str, str], dict[tuple[str, int], float]] = {}  # latest top frame in the silence
         self.gloo: set[tuple[str, str, str, int]] = set()          # ranks whose collectives the torch tracer reports
         self.newest: dict[tuple[str, str], int] = {}               # the job's newest step start
         self.calling: dict[tuple[str, str, str, int], int] = {}   # windows in a row with completed collectives
@@ -141,13 +154,31 @@ class LoudFailures:
                 self.calling.pop(key, None)
         silent = self.silent.setdefault(job, [0])
         leaving = any(n >= 0 for _, n in self.missing.get(job, {}).values())
+        frames = self.frames.setdefault(job, {})
         if not stalled or calling or leaving:
             silent[0] = 0   # calls return, or a rank stopped reporting (the job ending, or vanished's to judge)
+            frames.clear()  # stacks from before a silence say nothing about it
             return []
         silent[0] += 1
+        for member, v in zip(members, vectors):
+            if FRAME_FEATURE in v and math.isfinite(_num(v[FRAME_FEATURE])):
+                frames[member] = float(v[FRAME_FEATURE])
         if silent[0] < self.hang_windows:
             return []
-        return [LoudFlag(i, members[i][0], members[i][1], "hung", {"collective_stalled": 1.0}) for i in stalled]
+        roles = self._hang_roles([frames.get(m) for m in members]) if len(stalled) == len(members) else {}
+        return [LoudFlag(i, members[i][0], members[i][1], "hung", {"collective_stalled": 1.0},
+                         role=roles.get(i, JOB)) for i in stalled]
+
+    @staticmethod
+    def _hang_roles(signatures: Sequence[float | None]) -> dict[int, str]:
+        """Ranks in a strict majority of equal stack signatures wait; the others are the culprits. {} (every
+        rank role job) when a rank has no signature, all are alike, or no signature holds a strict majority."""
+        if not signatures or any(s is None for s in signatures):
+            return {}
+        (common, n), = Counter(signatures).most_common(1)
+        if n == len(signatures) or 2 * n <= len(signatures):
+            return {}
+        return {i: WAITING if s == common else CULPRIT for i, s in enumerate(signatures)}
 
 
 def _num(v) -> float:

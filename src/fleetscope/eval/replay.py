@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fleetscope.eval.scenario import load_scenario
 from fleetscope.eval.scorer import WindowResult, score_run, summarize
+from fleetscope.streams.stack_signature import model_input
 
 
 # A replay scores settings on the very runs it is tuned on: never a default, never a result.
@@ -43,7 +44,8 @@ def load_steps(data_dir: Path, job: str) -> list[tuple[int, list[tuple[int, dict
         store.close()
     steps: dict[int, list[tuple[int, dict]]] = {}
     for rank, host, ws, f in rows:
-        steps.setdefault(ws, []).append((rank, {**(node.get((host, ws), {}) if JOIN_NODE else {}), **f}))
+        vector = {**(node.get((host, ws), {}) if JOIN_NODE else {}), **f}
+        steps.setdefault(ws, []).append((rank, model_input(vector)))   # as the worker's model sees it
     return sorted(steps.items())
 
 

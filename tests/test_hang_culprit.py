@@ -1,0 +1,197 @@
+"""A hung collective names its culprit from the ranks' sampled Python stacks (streams/model/loud.py, hung;
+streams/stack_signature.py).
+
+A 3-rank NCCL job whose rank 1 stops calling collectives at window HUNG_AT while ranks 0 and 2 block in
+theirs. No GPU here: the cuda and nccl rows are the rows those tracers send, written by this test; the
+python_sampler rows are the rows producers/tracers/python_sampler.py sends (python.samples per sampler
+window, python.sample_self_share per "module:function"), also written here. Each rank reports a sampler
+window every 2 s, at ticks 1 mod 4, so one of them straddles the hang's start. Through the real windows,
+features, scorer, KB, store (chDB) and, for the culprit case, the embedded Kafka broker.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from fleetscope.config import Config
+from fleetscope.schema import SOURCE_COLUMNS, node_identity, validate
+from fleetscope.streams.model.loud import LoudFailures
+from fleetscope.streams.processor import MessageRef, StreamProcessor
+from fleetscope.streams.stack_signature import FEATURE, IDLE_FRAME_ID, frame_id, model_input
+from fleetscope.wire import Batch, StrColumn, encode
+
+SEC = 10**9
+TICK = SEC // 2
+T0 = (time.time_ns() // SEC // 3600 - 24) * 3600 * SEC
+RANKS, STUCK, HUNG_AT, WINDOWS = 3, 1, 24, 36
+SAMPLER_TICKS = 4                      # a sampler window: 2 s
+TRAIN = {"train:forward": 0.6, "train:backward": 0.3, "train:step": 0.1}
+
+
+def rank_batch(source: str, rank: int, ts: int, rows) -> Batch:
+    n = len(rows)
+    metric, device, value, interval = zip(*rows)
+    cols = {"ts_ns": np.full(n, ts, "<i8"), "tenant": StrColumn.constant("acme", n),
+            "job": StrColumn.constant("train", n), "rank": np.full(n, rank, "<i4"),
+            "pid": np.full(n, 1000 + rank, "<i4"), "gpu": np.full(n, rank, "<i2"),
+            "metric": StrColumn.of(metric), "device": StrColumn.of(device), "value": np.array(value, "<f8"),
+            "interval_ns": np.array(interval, "<i8"), "sample_frac": np.ones(n, "<f8")}
+    batch = Batch(source, "node-a", {k: cols[k] for k in SOURCE_COLUMNS[source]}, created_ns=ts)
+    validate(batch)
+    return batch
+
+
+def host_batch(ts: int, rng) -> Batch:
+    names = ("cpu.user", "cpu.system", "cpu.idle", "cpu.steal", "mem.total", "mem.available")
+    vals = (0.25 * (1 + 0.03 * rng.standard_normal()), 0.05, 0.2, 0.0, 1000.0, 600.0)
+    n = len(names)
+    cols = {"ts_ns": np.full(n, ts, "<i8"), **node_identity("node-a", n), "metric": StrColumn.of(names),
+            "device": StrColumn.constant("all", n), "value": np.array(vals, "<f8"),
+            "interval_ns": np.array([TICK] * 4 + [0, 0], "<i8")}
+    return Batch("host", "node-a", cols, created_ns=ts)
+
+
+def sampler_rows(stacks: dict[str, int]) -> list[tuple]:
+    """One sampler window's rows as PythonSampler._window_rows builds them: {function: samples as the
+    innermost frame}; no stacks at all (every thread idle) is python.samples 0 and no shares."""
+    total = sum(stacks.values())
+    rows = [("python.samples", "all", total, SAMPLER_TICKS * TICK)]
+    return rows + [("python.sample_self_share", name, n / total, 0) for name, n in stacks.items() if n]
+
+
+def job_batches(tick: int, rng, hang_stacks) -> list[Batch]:
+    """hang_stacks(rank) -> the stacks a rank's sampler reads while the job hangs (None: no sampler)."""
+    window = tick // 2
+    ts = T0 + tick * TICK + TICK // 2
+    out = []
+    for r in range(RANKS):
+        noise = 1 + 0.03 * rng.standard_normal(4)
+        if window < HUNG_AT:   # the NCCL tracer reports a call when it returns: none once the job hangs
+            dur = 0.3 * TICK * noise[0]
+            out.append(rank_batch("nccl", r, ts, [
+                ("nccl.calls", "AllReduce", 20, TICK), ("nccl.bytes", "AllReduce", 20 * 64e6, TICK),
+                ("nccl.dur_ns", "AllReduce", dur, TICK), ("nccl.lat_p50_ns", "AllReduce", dur / 20 * noise[1], 0),
+                ("nccl.lat_p99_ns", "AllReduce", 1.5 * dur / 20 * noise[2], 0)]))
+        out.append(rank_batch("cuda", r, ts, [
+            ("cuda.calls", "cudaLaunchKernel", 500 * noise[3], TICK),
+            ("cuda.dur_ns", "cudaStreamSynchronize", 0.1 * TICK * noise[2], TICK)]))
+        if tick % SAMPLER_TICKS == 1 and tick > SAMPLER_TICKS:
+            begun = tick - SAMPLER_TICKS
+            if begun >= 2 * HUNG_AT:           # the whole sampler window inside the hang
+                stacks = hang_stacks(r)
+            else:                              # before it, or straddling its start: mostly training
+                stacks = {name: round(share * 98) for name, share in TRAIN.items()}
+            if stacks is not None:
+                out.append(rank_batch("python_sampler", r, ts, sampler_rows(stacks)))
+    out.append(host_batch(ts, rng))
+    return out
+
+
+def run_job(store, tmp_path, hang_stacks, producer=None, **settings):
+    cfg = Config(data_dir=tmp_path, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=30, warmup_windows=10,
+                 model_checkpoint_s=0, **settings)
+    proc = StreamProcessor(cfg, store, producer=producer, clock=lambda: 0.0)
+    rng, offset = np.random.default_rng(3), 0
+    for tick in range(2 * WINDOWS):
+        for batch in job_batches(tick, rng, hang_stacks):
+            proc.handle(encode(batch), None, MessageRef("fleetscope.raw.x", 0, offset))
+            offset += 1
+        proc.flush()
+    return proc
+
+
+def hung_roles(store) -> dict[tuple[int, int], str]:
+    rows = store.query("SELECT rank, toUnixTimestamp64Milli(window_start), detectors, role FROM anomalies FINAL").rows
+    return {(r, (ms * 10**6 - T0) // SEC): role for r, ms, dets, role in rows if "hung" in dets}
+
+
+def stuck_in_its_own_loop(rank: int) -> dict[str, int]:
+    # the stuck rank wakes from time.sleep now and then (py-spy samples it then); the waiting ranks sit in
+    # the collective's native wait the whole window: idle, never sampled
+    return {"train:hang_while_set": 9, "train:poll": 2} if rank == STUCK else {}
+
+
+def test_the_rank_whose_stack_differs_is_the_culprit_and_its_waiting_peers_are_not_alerted(store, tmp_path, broker):
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from fleetscope.topics import all_topics, ensure_topics
+
+    prefix = f"h{uuid.uuid4().hex[:8]}"
+    cfg_kw = {"topic_prefix": prefix, "partitions": 1}
+    ensure_topics(broker.bootstrap, all_topics(Config(**cfg_kw)), 1)
+    run_job(store, tmp_path, stuck_in_its_own_loop, producer=Producer({"bootstrap.servers": broker.bootstrap}),
+            **cfg_kw)
+
+    hung = hung_roles(store)
+    windows = sorted({w for _, w in hung})
+    # from the step the silence is confirmed on (hang_windows, 4) to the last one closed (the last stays open)
+    assert windows == list(range(HUNG_AT + 3, WINDOWS - 1)), hung
+    for w in windows:   # every hung step: the stuck rank the culprit, the others waiting on it
+        assert {r: hung[(r, w)] for r in range(RANKS)} == {0: "waiting", 1: "culprit", 2: "waiting"}, hung
+
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"{prefix}-read",
+                         "enable.auto.commit": False})
+    consumer.assign([TopicPartition(f"{prefix}.anomalies", 0, 0), TopicPartition(f"{prefix}.diagnoses", 0, 0)])
+    got: dict[str, list[dict]] = {"anomalies": [], "diagnoses": []}
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for m in consumer.consume(100, 0.5):
+                if not m.error():
+                    got[m.topic().rsplit(".", 1)[1]].append(json.loads(m.value()))
+            hung_out = [a for a in got["anomalies"] if "hung" in a["detectors"]]
+            hung_diag = [d for d in got["diagnoses"] if "hung" in d["detectors"]]
+            if len(hung_out) >= len(windows) and len(hung_diag) >= len(windows):
+                break
+    finally:
+        consumer.close()
+    published = {(a["rank"], (a["window_start_ns"] - T0) // SEC, a["role"]) for a in got["anomalies"]
+                 if "hung" in a["detectors"]}
+    assert published == {(STUCK, w, "culprit") for w in windows}       # no waiting rank reaches the topic
+    diagnosed = [d for d in got["diagnoses"] if "hung" in d["detectors"]]
+    assert {(d["rank"], (d["window_start_ns"] - T0) // SEC) for d in diagnosed} == {(STUCK, w) for w in windows}
+    for d in diagnosed:
+        assert d["culprit_ranks"] == [STUCK], d
+        assert d["matches"][0]["kb_entry"] == "hung_collective", d["matches"]
+
+
+@pytest.mark.parametrize("case, hang_stacks", [
+    ("no sampler", lambda r: None),
+    ("one rank without a signature", lambda r: None if r == 2 else stuck_in_its_own_loop(r)),
+    ("every rank alike", lambda r: {}),
+    ("no majority", lambda r: {0: {}, 1: {"train:hang_while_set": 9}, 2: {"train:load": 5}}[r]),
+])
+def test_without_a_strict_minority_of_stacks_every_hung_rank_stays_the_jobs(store, tmp_path, case, hang_stacks):
+    run_job(store, tmp_path, hang_stacks)
+    hung = hung_roles(store)
+    assert hung and {r for r, _ in hung} == set(range(RANKS)), (case, hung)
+    assert set(hung.values()) == {"job"}, (case, hung)
+
+
+def test_only_signatures_read_inside_the_silence_count():
+    """A rank's signature from before the hang (its last training stack) says nothing about the hang."""
+    loud, job = LoudFailures(history=1, hang_windows=2), ("acme", "train")
+    members = [("node-a", r) for r in range(3)]
+    busy = {"nccl_calls_per_s": 10.0}
+    loud.step(job, 1, members, [dict(busy, **{FEATURE: frame_id("train:forward")}) for _ in members])
+    before = [{FEATURE: frame_id("train:step")}, {}, {}]      # rank 0 differs, but in the last window before
+    assert loud.step(job, 2, members, [dict(busy, **before[0]), busy, busy]) == []
+    silent = [{}, {FEATURE: frame_id("train:hang_while_set")}, {FEATURE: IDLE_FRAME_ID}]
+    loud.step(job, 3, members, silent)
+    flags = loud.step(job, 4, members, [{}, {}, {FEATURE: IDLE_FRAME_ID}])
+    assert [f.role for f in flags] == ["job"] * 3    # rank 0 has no signature inside the silence
+    flags = loud.step(job, 5, members, [{FEATURE: IDLE_FRAME_ID}, {}, {}])
+    assert [(f.rank, f.role) for f in flags] == [(0, "waiting"), (1, "culprit"), (2, "waiting")]
+    # the calls return: the next silence starts without signatures
+    loud.step(job, 6, members, [busy] * 3)
+    loud.step(job, 7, members, [{}] * 3)
+    assert [f.role for f in loud.step(job, 8, members, [{}] * 3)] == ["job"] * 3
+
+
+def test_the_id_is_a_category_the_model_never_sees():
+    assert frame_id("train:forward") == frame_id("train:forward") != frame_id("train:backward")
+    assert model_input({FEATURE: 1.0, "nccl_calls_per_s": 2.0}) == {"nccl_calls_per_s": 2.0}
