@@ -151,5 +151,10 @@ def build_agent(cfg: Config, bootstrap: str) -> Agent:
     except BaseException:
         agent._close_parts()  # the /metrics port is free again for a corrected restart
         raise
+    if cfg.trace_capture_s > 0:  # capture around anomalies: a source for its stats, fed by the tracers
+        from fleetscope.producers.trace_capture import attach_capture
+        capture = attach_capture(cfg, bootstrap, new_resolver(), agent.sources)
+        if capture is not None:
+            agent.sources.append(capture)
     log.info("agent sources: %s", ", ".join(source.name for source in agent.sources))
     return agent

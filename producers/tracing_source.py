@@ -38,6 +38,7 @@ class TracingSource:
         self._lock = threading.Lock()  # the manager arriving vs. the agent stopping
         self._closed = False
         self.manager = None
+        self.on_records = None  # the anomaly capture's add_records, when configured (producers/trace_capture.py)
         self._thread = threading.Thread(target=self._start, name="tracer-start", daemon=True)
 
     def start(self) -> "TracingSource":
@@ -66,7 +67,10 @@ class TracingSource:
 
     def sample(self, now_ns: int) -> list:
         manager = self.manager
-        return manager.sample(now_ns) if manager is not None else []
+        if manager is None:
+            return []
+        manager.on_records = self.on_records
+        return manager.sample(now_ns)
 
     def stats(self) -> dict:
         manager = self.manager

@@ -51,6 +51,7 @@ class TracerManager:
                     log.warning("tracer %s not started: %s", name, e)
         self.locks = {name: threading.RLock() for name in self.tracers}  # one call per tracer at a time
         self.deferred = 0
+        self.on_records = None  # (tracer name, its detail records) after each sample: the anomaly capture
         if hit_cost_ns is None:
             hit_cost_ns = cfg.trace_hit_cost_ns or self._calibrate()
         self.hit_cost_ns = hit_cost_ns
@@ -210,6 +211,9 @@ class TracerManager:
                 continue
             try:
                 batch = self._call(name, tracer.sample, now_ns)
+                records = getattr(tracer, "records", None)  # detail mode: this sample's calls
+                if records and self.on_records is not None and batch is not FAILED:
+                    self.on_records(name, records)  # never raises (producers/trace_capture.py)
             finally:
                 lock.release()
             if batch is not None and batch is not FAILED:

@@ -27,8 +27,9 @@ class TracerEntry:
 
 TRACERS: dict[str, TracerEntry] = {
     "kernel": TracerEntry("kernel", "KernelTracer", sample_frac=False),  # tracepoints, never duty-cycled
-    "cuda": TracerEntry("cuda", "CudaTracer", sample_frac=True),
-    "nccl": TracerEntry("nccl", "NcclTracer", sample_frac=True),
+    # detail mode (per-call records) while the agent captures around anomalies: trace_capture_s > 0 is true
+    "cuda": TracerEntry("cuda", "CudaTracer", sample_frac=True, options={"detail": "trace_capture_s"}),
+    "nccl": TracerEntry("nccl", "NcclTracer", sample_frac=True, options={"detail": "trace_capture_s"}),
     "python": TracerEntry("python_vm", "PythonTracer", sample_frac=True, options={"prefixes": "trace_python_prefixes"}),
     "torch": TracerEntry("torch_ops", "TorchTracer", sample_frac=True),
     # sampled stacks through py-spy: any CPython 3.9-3.14, USDT or not

@@ -149,6 +149,11 @@ class Config:
     trace_duty_period_s: float = 30.0
     trace_hit_cost_ns: float | None = None  # None: measured at start (calibration)
     trace_python_prefixes: tuple[str, ...] = ()  # module/file prefixes to trace; empty: all
+    # Capture around anomalies: the agent keeps this many seconds of per-call records (the CUDA and NCCL tracers
+    # in detail mode) in memory, at most trace_capture_max_records (the oldest dropped past it, counted), and
+    # on an anomaly of a rank it hosts publishes that rank's window (± one window) to <prefix>.traces. 0: off.
+    trace_capture_s: float = 0.0
+    trace_capture_max_records: int = 100_000
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}.{name}"
@@ -176,6 +181,8 @@ class Config:
             raise ConfigError(f"proc_interval_s={self.proc_interval_s}: must lie in [0.1, 60] seconds")
         if self.trace_duty_period_s < 0.2 or self.trace_poll_s <= 0:
             raise ConfigError("trace_duty_period_s must be >= 0.2 s and trace_poll_s > 0")
+        if self.trace_capture_s < 0 or self.trace_capture_max_records < 1:
+            raise ConfigError("trace_capture_s must be >= 0 (0: off) and trace_capture_max_records >= 1")
         for name in ("metrics_port", "sink_metrics_port"):
             if not -1 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be -1 (off), 0 (any free port) or a TCP port")
@@ -226,6 +233,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_TRACE_NAME": "trace_name", "FLEETSCOPE_TRACE_POLL_S": "trace_poll_s",
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",
     "FLEETSCOPE_TRACE_HIT_COST_NS": "trace_hit_cost_ns", "FLEETSCOPE_TRACE_PYTHON_PREFIXES": "trace_python_prefixes",
+    "FLEETSCOPE_TRACE_CAPTURE_S": "trace_capture_s", "FLEETSCOPE_TRACE_CAPTURE_MAX_RECORDS": "trace_capture_max_records",
     "FLEETSCOPE_SPOOL_MAX_BATCHES": "spool_max_batches", "FLEETSCOPE_SPOOL_MAX_BYTES": "spool_max_bytes",
     "FLEETSCOPE_SPOOL_DIR": "spool_dir", "FLEETSCOPE_SPOOL_DIR_MAX_BYTES": "spool_dir_max_bytes",
     "FLEETSCOPE_KAFKA_MESSAGE_MAX_BYTES": "kafka_message_max_bytes",

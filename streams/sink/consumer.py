@@ -41,7 +41,7 @@ BYTES_PER_UNCOUNTED_ROW = 4  # a record without a row count counts one row per t
 
 def sink_topics(cfg) -> list[str]:
     return ([cfg.raw_topic(s) for s in RAW_SOURCES]
-            + [cfg.topic(k) for k in ("features", "scores", "anomalies", "diagnoses", "dlq", "model-state")])
+            + [cfg.topic(k) for k in ("features", "scores", "anomalies", "diagnoses", "dlq", "model-state", "traces")])
 
 
 class Sink:

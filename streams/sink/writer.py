@@ -11,6 +11,8 @@ skipped here and counted (`raw_skipped`): the worker's dead letter on
 <prefix>.dlq is what gets stored. Raw batches seen twice in this run, or
 stored by an earlier run (RawSink's replay check), are not stored again.
 
+traces (JSON, fs-schema trace/1): one trace_events row per captured call.
+
 Refused parts become dead letters: stored in `dlq` directly, and handed to
 `on_dead` (the consumer publishes them to <prefix>.dlq, marked as stored).
 """
@@ -20,6 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from fleetscope.topics import RAW_SOURCES
+from fleetscope.trace_message import TRACE_SCHEMA
 from fleetscope.wire import decode
 from fleetscope.streams.admission import TimeBounds
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA
@@ -27,6 +30,7 @@ from fleetscope.streams.model_state import JobState
 from fleetscope.streams.seen_batches import SeenBatches
 from fleetscope.streams.sink import tables
 from fleetscope.streams.sink.tables import Record
+from fleetscope.streams.sink.trace_rows import trace_events_rows
 from fleetscope.streams.sinks import RawSink, token
 from fleetscope.streams.store_writes import Insert, row_insert
 
@@ -56,7 +60,8 @@ class TopicWriter:
         self.stats = SinkStats()
         self.dead: list[tuple[Record, str]] = []  # refused or unreadable: stored in dlq and handed to on_dead
         self._raw_topics = {cfg.raw_topic(s) for s in RAW_SOURCES}
-        self._kinds = {cfg.topic(k): k for k in ("features", "scores", "anomalies", "diagnoses", "dlq", "model-state")}
+        self._kinds = {cfg.topic(k): k for k in ("features", "scores", "anomalies", "diagnoses", "dlq", "model-state",
+                                                 "traces")}
 
     def forget_replays(self) -> None:
         """After a rebalance: ask the store again which batches an earlier owner stored."""
@@ -105,6 +110,8 @@ class TopicWriter:
             return tables.json_record(rec, ANOMALY_SCHEMA)
         if kind == "diagnoses":
             return tables.json_record(rec, DIAGNOSIS_SCHEMA)
+        if kind == "traces":
+            return tables.json_record(rec, TRACE_SCHEMA)
         if kind == "dlq":
             return None if rec.header(STORED_HEADER) else rec
         if rec.value is None:  # a compaction tombstone
@@ -132,6 +139,7 @@ class TopicWriter:
         add("anomalies", waiting, lambda g: tables.scores_rows([b for b, _ in g])[1])
         add("anomalies", parts.get("anomalies"), lambda g: tables.anomalies_rows([(a, emitted(r)) for a, r in g]))
         add("diagnoses", parts.get("diagnoses"), lambda g: tables.diagnoses_rows([(d, emitted(r)) for d, r in g]))
+        add("trace_events", parts.get("traces"), lambda g: trace_events_rows([(m, emitted(r)) for m, r in g]))
         add("dlq", parts.get("dlq"), lambda g: tables.dlq_rows([r for r, _ in g]))
         add("model_state", parts.get("model-state"), lambda g: tables.model_state_rows([s for s, _ in g]))
         return out

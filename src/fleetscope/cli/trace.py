@@ -1,10 +1,15 @@
 """`fleetscope trace`: a job's last N seconds as a Perfetto / chrome://tracing timeline (Chrome trace JSON).
 
-What it exports today is what the store holds: the traced sources' rows (cuda, nccl, python, torch; sums per
-sampling interval, one track per source and rank) and the anomaly windows, plus, with --records, per-call
-records that tracers captured in detail mode (JSON lines of {api, pid, tid, ts_ns, dur_ns, ...}). Switching a
-running agent's tracers into detail mode from here needs a control channel to the agent that does not exist
-yet, so the command does not do that.
+What it exports is what the store holds: the traced sources' rows (cuda, nccl, python, torch; sums per
+sampling interval, one track per source and rank), the anomaly windows, and the calls in `trace_events`: the
+per-call records agents with `trace_capture_s` set captured around anomalies of their ranks (producers/
+trace_capture.py), one complete event per call with its measured duration. With --records it also takes
+per-call records from a file (JSON lines of {api, pid, tid, ts_ns, dur_ns, ...}). "The last N seconds" end at
+the job's newest row in raw_metrics or trace_events.
+
+Not done here: switching a running agent's tracers into detail mode for N seconds needs a control channel to
+the agent that does not exist yet, so the command does not do that; calls are on the timeline only where an
+agent captured them around an anomaly (or a --records file has them). There is no --anomaly ID yet either.
 """
 from __future__ import annotations
 
@@ -17,13 +22,20 @@ from fleetscope.cli.common import load_config, open_configured_store
 TRACED = ("cuda", "nccl", "python", "torch")
 MAX_ROWS = 500_000
 
+END_SQL = """
+SELECT greatest(
+    (SELECT toUnixTimestamp64Nano(max(ts)) FROM raw_metrics
+     WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})),
+    (SELECT toUnixTimestamp64Nano(max(ts)) FROM trace_events
+     WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String}))) AS end_ns
+"""
 ROWS_SQL = """
 SELECT rank, host, source, metric, device, pid, toUnixTimestamp64Nano(ts) AS ts_ns, interval_ns, value, sample_frac
 FROM raw_metrics
 WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})
   AND ({rank:Int32} < 0 OR rank = {rank:Int32})
   AND source IN ('cuda', 'nccl', 'python', 'torch')
-  AND ts >= (SELECT max(ts) FROM raw_metrics WHERE job = {job:String}) - toIntervalSecond({seconds:UInt32})
+  AND ts >= fromUnixTimestamp64Nano({since_ns:Int64})
 ORDER BY rank, ts
 LIMIT 500000
 """
@@ -32,8 +44,17 @@ SELECT rank, host, toUnixTimestamp64Nano(window_start) AS window_start_ns, score
 FROM anomalies FINAL
 WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})
   AND ({rank:Int32} < 0 OR rank = {rank:Int32})
-  AND window_start >= (SELECT max(ts) FROM raw_metrics WHERE job = {job:String}) - toIntervalSecond({seconds:UInt32})
+  AND window_start >= fromUnixTimestamp64Nano({since_ns:Int64})
 ORDER BY window_start
+"""
+CALLS_SQL = """
+SELECT rank, host, source, api, pid, tid, toUnixTimestamp64Nano(ts) AS ts_ns, dur_ns, args
+FROM trace_events FINAL
+WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})
+  AND ({rank:Int32} < 0 OR rank = {rank:Int32})
+  AND ts >= fromUnixTimestamp64Nano({since_ns:Int64})
+ORDER BY rank, ts
+LIMIT 500000
 """
 PIDS_SQL = """
 SELECT DISTINCT pid, rank, host FROM raw_metrics
@@ -54,24 +75,38 @@ def read_records(path: str) -> list[dict]:
     return out
 
 
+def add_stored_calls(trace, calls: list[dict]) -> int:
+    """trace_events rows on the timeline: each (rank, host, tracer)'s calls through ChromeTrace.add_calls."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in calls:
+        record = {**json.loads(c["args"] or "{}"), "api": c["api"], "pid": int(c["pid"]), "tid": int(c["tid"]),
+                  "ts_ns": int(c["ts_ns"]), "dur_ns": int(c["dur_ns"])}
+        groups.setdefault((int(c["rank"]), str(c["host"]), str(c["source"])), []).append(record)
+    return sum(trace.add_calls(records, {r["pid"]: rank for r in records}, host=host, source=source)
+               for (rank, host, source), records in groups.items())
+
+
 def cmd_trace(args) -> int:
     from fleetscope.chrome_trace import ChromeTrace
     params = {"job": args.job, "tenant": args.tenant or "", "rank": args.rank if args.rank is not None else -1,
               "seconds": int(args.seconds)}
     store = open_configured_store(load_config(args))
     try:
+        end_ns = int(store.read_query(END_SQL, params).as_dicts()[0]["end_ns"])
+        params["since_ns"] = end_ns - int(args.seconds * 1e9)
         rows = store.read_query(ROWS_SQL, params).as_dicts()
         anomalies = store.read_query(ANOMALIES_SQL, params).as_dicts()
+        calls = store.read_query(CALLS_SQL, params).as_dicts()
         pids = store.read_query(PIDS_SQL, params).as_dicts() if args.records else []
     finally:
         store.close()
     trace = ChromeTrace()
     n_rows = trace.add_rows(rows)
-    n_calls = 0
+    n_calls = add_stored_calls(trace, calls)
     if args.records:
         rank_of_pid = {int(p["pid"]): int(p["rank"]) for p in pids
                        if args.rank is None or int(p["rank"]) == args.rank}
-        n_calls = trace.add_calls(read_records(args.records), rank_of_pid)
+        n_calls += trace.add_calls(read_records(args.records), rank_of_pid)
     n_anom = trace.add_anomalies(anomalies)
     if not (n_rows or n_calls or n_anom):
         print(f"fleetscope trace: nothing stored for job {args.job!r} in its last {args.seconds:g} s "

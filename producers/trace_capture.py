@@ -1,0 +1,251 @@
+"""Capture around anomalies: the agent's last `trace_capture_s` seconds of per-call records, and on an anomaly of
+a rank it hosts, that rank's window of them on `<prefix>.traces` (fleetscope/trace_message.py).
+
+- CallRing holds the calls, bounded by age (trace_capture_s) and by count (trace_capture_max_records: past it
+  the oldest are dropped and counted). Each call is filed under its process's (tenant, job, rank), resolved
+  when it arrives (a process may be gone when its anomaly comes); calls of processes without a rank are not
+  kept, since no anomaly can name them. A process's last known identity is kept as long as its calls may be
+  (the resolver forgets a process once it exits, and the last calls of one that just died are the ones an
+  anomaly most wants).
+- The records come from the CUDA and NCCL tracers in detail mode (on while trace_capture_s > 0): the tracer
+  manager hands each sampled tracer's records to `add_records` on the agent's tick.
+- A listener thread reads `<prefix>.anomalies` from its partitions' ends (no consumer group offsets: anomalies
+  from before the agent started have no records here). An anomaly whose host is this agent's is captured once
+  its window's end plus the margin (one window) and a sample interval have passed, so the ticks that carry
+  those calls have run.
+- Nothing here may harm the agent: every failure is logged and counted (`capture_errors`,
+  `capture_publish_errors`), never raised into the tick.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+
+from fleetscope.kafka_settings import client_conf
+from fleetscope.trace_message import TRACE_SCHEMA, call_of, trace_messages
+from fleetscope.producers.tracers.rows import identity
+
+log = logging.getLogger(__name__)
+ANOMALY_SCHEMA = "anomaly/1"  # the fs-schema of <prefix>.anomalies (streams/derived_codec.py)
+SEEN_MAX = 4096  # anomalies remembered, so a replayed one is not captured twice
+
+
+class CallRing:
+    """Calls by (tenant, job, rank), the newest `keep_s` seconds of them, at most `max_records`."""
+
+    def __init__(self, keep_s: float, max_records: int, clock_ns=time.time_ns):
+        self.keep_ns = int(keep_s * 1e9)
+        self.max_records = max_records
+        self.clock_ns = clock_ns
+        self._calls: deque = deque()  # (ts_ns, key, call), in arrival order
+        self._lock = threading.Lock()  # the tick adds, the listener reads
+        self.added = self.expired = self.dropped = 0
+
+    def add(self, key: tuple, calls: list[dict]) -> None:
+        with self._lock:
+            self._calls.extend((c["ts_ns"], key, c) for c in calls)
+            self.added += len(calls)
+            over = len(self._calls) - self.max_records
+            for _ in range(max(over, 0)):
+                self._calls.popleft()
+            self.dropped += max(over, 0)
+            self._expire()
+
+    def _expire(self) -> None:
+        cutoff = self.clock_ns() - self.keep_ns
+        while self._calls and self._calls[0][0] < cutoff:
+            self._calls.popleft()
+            self.expired += 1
+
+    def window(self, key: tuple, from_ns: int, to_ns: int) -> list[dict]:
+        """The calls of `key` that start in [from_ns, to_ns], by start time."""
+        with self._lock:
+            self._expire()
+            found = [c for ts, k, c in self._calls if k == key and from_ns <= ts <= to_ns]
+        return sorted(found, key=lambda c: c["ts_ns"])
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+class TraceCapture:
+    """The agent-side capture: a Source for its stats (sample() publishes nothing) and a listener thread."""
+
+    name = "capture"
+
+    def __init__(self, cfg, bootstrap: str, resolver=None, clock_ns=time.time_ns):
+        from confluent_kafka import Consumer, Producer
+        self.cfg = cfg
+        self.resolver = resolver
+        self.clock_ns = clock_ns
+        self.ring = CallRing(cfg.trace_capture_s, cfg.trace_capture_max_records, clock_ns)
+        self.margin_ns = int(cfg.window_s * 1e9)
+        self.window_ns = int(cfg.window_s * 1e9)
+        self.settle_ns = int(2 * cfg.sample_interval_s * 1e9)  # the tick after the span's end, or the one after
+        self.topic_in, self.topic_out = cfg.topic("anomalies"), cfg.topic("traces")
+        self.consumer = Consumer(client_conf(cfg, bootstrap, **{
+            "group.id": f"{cfg.consumer_group}-capture-{cfg.host}", "enable.auto.commit": False,
+            "fetch.wait.max.ms": 100, "client.id": "fleetscope-capture"}))
+        self.producer = Producer(client_conf(cfg, bootstrap, **{
+            "acks": "all", "client.id": "fleetscope-capture", "message.max.bytes": cfg.kafka_message_max_bytes}))
+        self.ready = threading.Event()  # set once the listener reads the anomalies topic from its ends
+        self._stop = threading.Event()
+        self._pending: list[tuple[int, tuple, dict]] = []  # (due wall ns, key, head) of anomalies to capture
+        self._seen: OrderedDict = OrderedDict()
+        self._known: dict[int, tuple[tuple, int]] = {}  # pid -> ((tenant, job, rank), last seen wall ns)
+        self._thread = threading.Thread(target=self._listen, name="trace-capture", daemon=True)
+        self.unranked = self.anomalies = self.published = self.calls_published = self.empty = 0
+        self.errors = self.publish_errors = 0
+
+    def start(self) -> "TraceCapture":
+        self._thread.start()
+        return self
+
+    # ---- the tick's side ---------------------------------------------------------------------------------
+    def add_records(self, source: str, records: list[dict]) -> None:
+        """A tracer's detail records of one sample; never raises."""
+        try:
+            by_pid: dict[int, list[dict]] = {}
+            for r in records:
+                by_pid.setdefault(int(r["pid"]), []).append(r)
+            now = self.clock_ns()
+            for pid, recs in by_pid.items():
+                key = self._key_of(pid, now)
+                if key is None:
+                    self.unranked += len(recs)
+                    continue
+                self.ring.add(key, [call_of(r, source) for r in recs])
+            self._known = {pid: kn for pid, kn in self._known.items() if now - kn[1] <= self.ring.keep_ns}
+        except Exception:
+            self._failed("keeping the records of %s", source)
+
+    def _key_of(self, pid: int, now: int) -> tuple | None:
+        who = identity(self.resolver, self.cfg.host, pid)
+        if who.rank >= 0:
+            self._known[pid] = ((who.tenant, who.job, who.rank), now)
+            return self._known[pid][0]
+        known = self._known.get(pid)  # gone (or never ranked): its last known identity, if any
+        return known[0] if known is not None else None
+
+    def sample(self, now_ns: int) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {"capture_records": len(self.ring), "capture_added": self.ring.added,
+                "capture_expired": self.ring.expired, "capture_dropped": self.ring.dropped,
+                "capture_unranked": self.unranked, "capture_anomalies": self.anomalies,
+                "capture_published": self.published, "capture_calls_published": self.calls_published,
+                "capture_empty": self.empty, "capture_errors": self.errors,
+                "capture_publish_errors": self.publish_errors}
+
+    # ---- the listener ------------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        while not self._stop.is_set() and not self.ready.is_set():
+            try:
+                self._assign_at_ends()
+            except Exception:
+                self._failed("reading %s", self.topic_in)
+                self._stop.wait(2.0)
+        while not self._stop.is_set():
+            try:
+                msg = self.consumer.poll(0.2)
+                if msg is not None and msg.error() is None:
+                    self.on_anomaly(msg.value(), dict(msg.headers() or ()))
+                self.capture_due()
+                self.producer.poll(0)
+            except Exception:
+                self._failed("handling %s", self.topic_in)
+                self._stop.wait(0.5)
+
+    def _assign_at_ends(self) -> None:
+        from confluent_kafka import TopicPartition
+        meta = self.consumer.list_topics(self.topic_in, timeout=5.0).topics.get(self.topic_in)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise RuntimeError(f"topic {self.topic_in} is not there yet")
+        parts = []
+        for p in sorted(meta.partitions):
+            _, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic_in, p), timeout=5.0)
+            parts.append(TopicPartition(self.topic_in, p, high))
+        self.consumer.assign(parts)
+        self.ready.set()
+
+    def on_anomaly(self, value: bytes, headers: dict) -> None:
+        schema = headers.get("fs-schema")
+        schema = schema.decode() if isinstance(schema, (bytes, bytearray)) else schema
+        if schema != ANOMALY_SCHEMA:
+            raise ValueError(f"an anomaly with fs-schema {schema!r}, expected {ANOMALY_SCHEMA!r}")
+        a = json.loads(value)
+        if a["host"] != self.cfg.host:
+            return  # another node's rank
+        key = (a["tenant"], a["job"], int(a["rank"]))
+        start = int(a["window_start_ns"])
+        if (key, start) in self._seen:
+            return
+        self._seen[(key, start)] = None
+        if len(self._seen) > SEEN_MAX:
+            self._seen.popitem(last=False)
+        self.anomalies += 1
+        end = start + self.window_ns
+        head = {"tenant": key[0], "job": key[1], "host": self.cfg.host, "rank": key[2], "window_start_ns": start,
+                "window_end_ns": end, "from_ns": start - self.margin_ns, "to_ns": end + self.margin_ns}
+        self._pending.append((head["to_ns"] + self.settle_ns, key, head))
+
+    def capture_due(self, force: bool = False) -> None:
+        now = self.clock_ns()
+        due = [p for p in self._pending if force or p[0] <= now]
+        self._pending = [p for p in self._pending if not (force or p[0] <= now)]
+        for _, key, head in due:
+            calls = self.ring.window(key, head["from_ns"], head["to_ns"])
+            if not calls:
+                self.empty += 1
+                continue
+            for k, v in trace_messages(head, calls, self.cfg.kafka_message_max_bytes):
+                self.producer.produce(self.topic_out, value=v, key=k, headers=[("fs-schema", TRACE_SCHEMA.encode())],
+                                      on_delivery=self._delivered)
+            self.calls_published += len(calls)
+            log.info("captured %d calls of %s rank %d around its anomaly at %d", len(calls), key[1], key[2],
+                     head["window_start_ns"])
+
+    def _delivered(self, err, msg) -> None:
+        if err is None:
+            self.published += 1
+        else:
+            self.publish_errors += 1
+            log.warning("a capture to %s was not delivered: %s", self.topic_out, err)
+
+    def _failed(self, what: str, *args) -> None:
+        self.errors += 1
+        if self.errors <= 3 or self.errors % 1000 == 0:  # the first ones with their traceback, then a count
+            log.exception("trace capture: " + what + " failed (%d failures so far)", *args, self.errors)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10)
+        try:
+            self.capture_due(force=True)  # what is pending goes out with what the ring still holds
+            left = self.producer.flush(self.cfg.stop_flush_timeout_s)
+            if left:
+                log.warning("%d captures were not delivered at agent stop", left)
+            self.consumer.close()
+        except Exception:
+            self._failed("stopping")
+
+
+def attach_capture(cfg, bootstrap: str, resolver, sources: list) -> TraceCapture | None:
+    """A started capture fed by the `trace` source's tracers, or None (logged) when there is nothing to capture
+    or it cannot start; the agent runs on either way."""
+    tracing = next((s for s in sources if getattr(s, "name", None) == "trace"), None)
+    if tracing is None:
+        log.warning("trace_capture_s is set but no tracer runs on this host: nothing to capture around anomalies")
+        return None
+    try:
+        capture = TraceCapture(cfg, bootstrap, resolver).start()
+    except Exception:
+        log.exception("capture around anomalies is off: it failed to start")
+        return None
+    tracing.on_records = capture.add_records
+    return capture
