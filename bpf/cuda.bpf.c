@@ -117,13 +117,14 @@ static __always_inline u64 note_free(u32 pid, u32 kind, u64 ptr) {
 /* A sync call's time is the host's wait for what it waits on. The first sync a
  * thread makes after an NCCL call that enqueued work (the NCCL program's mark
  * in nccl_enqueued, see gpu_calls.bpf.c) waits for that collective, which the
- * NCCL call itself only enqueued: its wait counts, and the mark is taken away,
- * so later syncs and syncs with no collective before them do not. */
+ * NCCL call itself only enqueued: its wait counts, and the mark is cleared (to
+ * 0, in place: no map churn per step), so later syncs and syncs with no
+ * collective before them do not. */
 static __always_inline void note_sync(u32 pid, u64 pid_tgid, struct gpu_inflight *f, u64 dur) {
     u64 *done = nccl_enqueued.lookup(&pid_tgid);
-    if (!done || *done > f->ts)
+    if (!done || !*done || *done > f->ts)
         return;
-    nccl_enqueued.delete(&pid_tgid);
+    *done = 0;
     struct nccl_sync_stats z = {};
     struct nccl_sync_stats *s = nccl_sync.lookup_or_try_init(&pid, &z);
     if (!s) {

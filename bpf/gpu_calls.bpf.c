@@ -20,9 +20,9 @@ BPF_ARRAY(lost, u64, 1);                          /* map-full and ring-buffer-fu
 BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
 #endif
 /* Per thread (pid_tgid): when its latest NCCL call that enqueued work
- * returned. The NCCL program writes it, the CUDA program reads it and takes
- * it away at the thread's next sync call, whose duration is then the host's
- * wait for the collective. One map for both programs: producers/tracers/
+ * returned, 0 once taken. The NCCL program writes it, the CUDA program takes
+ * it (sets 0) at the thread's next sync call, whose duration is then the
+ * host's wait for the collective. One map for both programs: producers/tracers/
  * gpu_calls.py owns it (BPF_TABLE_SHARED in a module kept for the process's
  * life), each program names it "extern", so load order does not matter. */
 BPF_TABLE("extern", u64, u64, nccl_enqueued, NCCL_ENQUEUED_MAX);

@@ -81,8 +81,12 @@ int on_return(struct pt_regs *ctx) {
     }
     if (rc == 0 && f.api != API_ncclGroupStart && f.api != API_ncclCommInitRank && f.api != API_ncclCommInitRankConfig
         && f.api != API_ncclCommSplit && f.api != API_ncclCommInitAll) {
-        u64 done = f.ts + dur;  /* work enqueued: the thread's next sync waits for it (bpf/cuda.bpf.c) */
-        if (nccl_enqueued.update(&id, &done) != 0)
+        /* work enqueued: the thread's next sync waits for it (bpf/cuda.bpf.c). Written in place once the
+         * thread has its entry: no map insert per call. */
+        u64 done = f.ts + dur, *mark = nccl_enqueued.lookup(&id);
+        if (mark)
+            *mark = done;
+        else if (nccl_enqueued.update(&id, &done) != 0)
             count_lost();
     }
     gpu_call_record(id, &f, dur, rc, bytes);
