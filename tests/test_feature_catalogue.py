@@ -31,7 +31,7 @@ RANK_ROWS = {   # source -> (metric, device, value, interval_ns): every metric t
     "python": [("python.gc_ns", "all", 1e5, TICK), ("python.gc_count", "all", 2, TICK),
                ("python.calls", "f", 100, TICK), ("python.func_ns", "f", 1e7, TICK)],
     # py-spy's sampled stacks: the top function's id (streams/stack_signature.py)
-    "python_sampler": [("python.samples", "all", 40, TICK), ("python.sample_self_share", "train:step", 0.5, 0)],
+    "python_sampler": [("python.samples", "all", 40, TICK), ("python.stack_top", "train:step", 1.0, 0)],
     "torch": [("torch.ops", "aten::mm", 10, TICK), ("torch.ops", "aten::relu", 10, TICK),
               ("torch.ops", "aten::cat", 10, TICK), ("torch.op_ns", "all", 1e6, TICK),
               ("torch.comm_wait_ns", "recv", 1e6, TICK), ("torch.comm_wait_calls", "recv", 3, TICK),

@@ -3,9 +3,9 @@ streams/stack_signature.py).
 
 A 3-rank NCCL job whose rank 1 stops calling collectives at window HUNG_AT while ranks 0 and 2 block in
 theirs. No GPU here: the cuda and nccl rows are the rows those tracers send, written by this test; the
-python_sampler rows are the rows producers/tracers/python_sampler.py sends (python.samples per sampler
-window, python.sample_self_share per "module:function"), also written here. Each rank reports a sampler
-window every 2 s, at ticks 1 mod 4, so one of them straddles the hang's start. Through the real windows,
+python_sampler rows are the rows producers/tracers/python_sampler.py sends at the end of each sampler
+window (python.samples, and python.stack_top: its main thread's innermost "module:function" then), also
+written here. Each rank reports a sampler window every 2 s, at ticks 1 mod 4. Through the real windows,
 features, scorer, KB, store (chDB) and, for the culprit case, the embedded Kafka broker.
 """
 from __future__ import annotations
@@ -21,15 +21,16 @@ from fleetscope.config import Config
 from fleetscope.schema import SOURCE_COLUMNS, node_identity, validate
 from fleetscope.streams.model.loud import LoudFailures
 from fleetscope.streams.processor import MessageRef, StreamProcessor
-from fleetscope.streams.stack_signature import FEATURE, IDLE_FRAME_ID, frame_id, model_input
+from fleetscope.streams.stack_signature import FEATURE, frame_id, model_input
 from fleetscope.wire import Batch, StrColumn, encode
 
 SEC = 10**9
 TICK = SEC // 2
 T0 = (time.time_ns() // SEC // 3600 - 24) * 3600 * SEC
 RANKS, STUCK, HUNG_AT, WINDOWS = 3, 1, 24, 36
+WAIT = "torch.distributed.distributed_c10d:all_reduce"
 SAMPLER_TICKS = 4                      # a sampler window: 2 s
-TRAIN = {"train:forward": 0.6, "train:backward": 0.3, "train:step": 0.1}
+TRAIN = ("train:forward", "train:backward", "train:step")
 
 
 def rank_batch(source: str, rank: int, ts: int, rows) -> Batch:
@@ -55,16 +56,14 @@ def host_batch(ts: int, rng) -> Batch:
     return Batch("host", "node-a", cols, created_ns=ts)
 
 
-def sampler_rows(stacks: dict[str, int]) -> list[tuple]:
-    """One sampler window's rows as PythonSampler._window_rows builds them: {function: samples as the
-    innermost frame}; no stacks at all (every thread idle) is python.samples 0 and no shares."""
-    total = sum(stacks.values())
-    rows = [("python.samples", "all", total, SAMPLER_TICKS * TICK)]
-    return rows + [("python.sample_self_share", name, n / total, 0) for name, n in stacks.items() if n]
+def sampler_rows(top: str) -> list[tuple]:
+    """One sampler window's rows as PythonSampler._window_rows builds them (its shares left out): the main
+    thread's innermost function at the window's end."""
+    return [("python.samples", "all", 40, SAMPLER_TICKS * TICK), ("python.stack_top", top, 1.0, 0)]
 
 
 def job_batches(tick: int, rng, hang_stacks) -> list[Batch]:
-    """hang_stacks(rank) -> the stacks a rank's sampler reads while the job hangs (None: no sampler)."""
+    """hang_stacks(rank) -> the function a rank's main thread is in while the job hangs (None: no dump)."""
     window = tick // 2
     ts = T0 + tick * TICK + TICK // 2
     out = []
@@ -80,13 +79,10 @@ def job_batches(tick: int, rng, hang_stacks) -> list[Batch]:
             ("cuda.calls", "cudaLaunchKernel", 500 * noise[3], TICK),
             ("cuda.dur_ns", "cudaStreamSynchronize", 0.1 * TICK * noise[2], TICK)]))
         if tick % SAMPLER_TICKS == 1 and tick > SAMPLER_TICKS:
-            begun = tick - SAMPLER_TICKS
-            if begun >= 2 * HUNG_AT:           # the whole sampler window inside the hang
-                stacks = hang_stacks(r)
-            else:                              # before it, or straddling its start: mostly training
-                stacks = {name: round(share * 98) for name, share in TRAIN.items()}
-            if stacks is not None:
-                out.append(rank_batch("python_sampler", r, ts, sampler_rows(stacks)))
+            # the dump at the sampler window's end: in the hang once it began, else wherever training is
+            top = hang_stacks(r) if window >= HUNG_AT else TRAIN[(tick // SAMPLER_TICKS + r) % len(TRAIN)]
+            if top is not None:
+                out.append(rank_batch("python_sampler", r, ts, sampler_rows(top)))
     out.append(host_batch(ts, rng))
     return out
 
@@ -109,10 +105,9 @@ def hung_roles(store) -> dict[tuple[int, int], str]:
     return {(r, (ms * 10**6 - T0) // SEC): role for r, ms, dets, role in rows if "hung" in dets}
 
 
-def stuck_in_its_own_loop(rank: int) -> dict[str, int]:
-    # the stuck rank wakes from time.sleep now and then (py-spy samples it then); the waiting ranks sit in
-    # the collective's native wait the whole window: idle, never sampled
-    return {"train:hang_while_set": 9, "train:poll": 2} if rank == STUCK else {}
+def stuck_in_its_own_loop(rank: int) -> str:
+    # the stuck rank sleeps in its own loop; the waiting ranks sit in the collective
+    return "train:hang_while_set" if rank == STUCK else WAIT
 
 
 def test_the_rank_whose_stack_differs_is_the_culprit_and_its_waiting_peers_are_not_alerted(store, tmp_path, broker):
@@ -162,8 +157,8 @@ def test_the_rank_whose_stack_differs_is_the_culprit_and_its_waiting_peers_are_n
 @pytest.mark.parametrize("case, hang_stacks", [
     ("no sampler", lambda r: None),
     ("one rank without a signature", lambda r: None if r == 2 else stuck_in_its_own_loop(r)),
-    ("every rank alike", lambda r: {}),
-    ("no majority", lambda r: {0: {}, 1: {"train:hang_while_set": 9}, 2: {"train:load": 5}}[r]),
+    ("every rank alike", lambda r: WAIT),
+    ("no majority", lambda r: (WAIT, "train:hang_while_set", "train:load")[r]),
 ])
 def test_without_a_strict_minority_of_stacks_every_hung_rank_stays_the_jobs(store, tmp_path, case, hang_stacks):
     run_job(store, tmp_path, hang_stacks)
@@ -180,11 +175,11 @@ def test_only_signatures_read_inside_the_silence_count():
     loud.step(job, 1, members, [dict(busy, **{FEATURE: frame_id("train:forward")}) for _ in members])
     before = [{FEATURE: frame_id("train:step")}, {}, {}]      # rank 0 differs, but in the last window before
     assert loud.step(job, 2, members, [dict(busy, **before[0]), busy, busy]) == []
-    silent = [{}, {FEATURE: frame_id("train:hang_while_set")}, {FEATURE: IDLE_FRAME_ID}]
+    silent = [{}, {FEATURE: frame_id("train:hang_while_set")}, {FEATURE: frame_id("torch.distributed.distributed_c10d:all_reduce")}]
     loud.step(job, 3, members, silent)
-    flags = loud.step(job, 4, members, [{}, {}, {FEATURE: IDLE_FRAME_ID}])
+    flags = loud.step(job, 4, members, [{}, {}, {FEATURE: frame_id("torch.distributed.distributed_c10d:all_reduce")}])
     assert [f.role for f in flags] == ["job"] * 3    # rank 0 has no signature inside the silence
-    flags = loud.step(job, 5, members, [{FEATURE: IDLE_FRAME_ID}, {}, {}])
+    flags = loud.step(job, 5, members, [{FEATURE: frame_id("torch.distributed.distributed_c10d:all_reduce")}, {}, {}])
     assert [(f.rank, f.role) for f in flags] == [(0, "waiting"), (1, "culprit"), (2, "waiting")]
     # the calls return: the next silence starts without signatures
     loud.step(job, 6, members, [busy] * 3)

@@ -23,6 +23,12 @@ Rows (source "python_sampler"), per pid, when a window ends:
   counted once per sample), top `top_n`;
 - python.sample_self_share: share of samples with the function as the
   innermost frame (its own time), top `top_n`.
+- python.stack_top, device "module:function": the innermost frame of the
+  main thread's stack when the window ended, idle or not (one `py-spy dump
+  --nonblocking --json` per pid and window, ~10 ms): where the rank is
+  blocked, for telling a hung job's stuck rank from the ranks waiting in the
+  collective (streams/stack_signature.py). Idle threads are exactly what the
+  shares above leave out, and a rank waiting in a collective is idle.
 GC time is not visible this way (a collection runs in C under whatever
 Python frame allocated); the USDT tracer's gc probes give it where they exist.
 
@@ -32,6 +38,7 @@ with one of them (the configured trace_python_prefixes).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -208,12 +215,31 @@ class PythonSampler:
         samples, inclusive, own = parse_raw(text, self.prefixes)
         span = max(now_ns - window.started_ns, 0)
         rows = [("python.samples", "all", samples, pid, span, 1.0)]
+        top = self._stack_top(pid)
+        if top is not None:
+            rows.append(("python.stack_top", top, 1.0, pid, 0, 1.0))
         if samples:
             rows += [("python.sample_share", name, n / samples, pid, 0, 1.0)
                      for name, n in inclusive.most_common(self.top_n)]
             rows += [("python.sample_self_share", name, n / samples, pid, 0, 1.0)
                      for name, n in own.most_common(self.top_n)]
         return rows
+
+    def _stack_top(self, pid: int) -> str | None:
+        """The main thread's innermost "module:function" now (idle or not), or None if py-spy cannot say."""
+        try:
+            done = subprocess.run([self.py_spy, "dump", "--pid", str(pid), "--nonblocking", "--json",
+                                   "--full-filenames"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=5)
+            threads = json.loads(done.stdout) if done.returncode == 0 else []
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            return None
+        main = [t for t in threads if t.get("os_thread_id") == pid] or threads[:1]
+        for frame in (main[0].get("frames") or []) if main else []:   # innermost first
+            file = frame.get("filename") or ""
+            if not self.prefixes or file.startswith(self.prefixes):
+                return f"{module_name(file)}:{frame.get('name')}"
+        return None
 
     def _identity(self, pid: int) :
         return identity(self.resolver, self.host, pid)

@@ -34,8 +34,8 @@ GPU, see streams/rank_context.py):
   call rates cannot tell the stuck rank from the ones it blocks; their
   sampled Python stacks can (as ByteRobust and Mycroft do with stack dumps):
   each rank's latest ``python_top_frame_id`` seen since the silence began
-  (streams/stack_signature.py; "idle" for a rank whose every thread was
-  blocked, as ranks waiting in gloo or NCCL are). When every rank of the step
+  (streams/stack_signature.py: the function its main thread was in, idle or
+  not, at the end of a sampler window). When every rank of the step
   is stalled and has one, and a strict majority shares one signature while
   the others differ, the others are ``culprit`` and the majority ``waiting``.
   Otherwise (no sampler, a rank without a signature or not known to be
