@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 
 import faust
 
@@ -60,7 +61,19 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
     @app.timer(interval=0.1)
     async def flush_idle():
         # closes windows of keys that went quiet, flushes a slow trickle, finishes the flush in flight
+        if processor.fatal_error is not None:
+            stop_once()
+            return
         await flusher.maybe_flush()
+
+    stopping = []
+
+    def stop_once() -> None:
+        # the producer failed for good: stop as on SIGTERM (acknowledged offsets are committed, the rest is
+        # replayed by the next owner); run_streams then exits non-zero
+        if not stopping:
+            stopping.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     @app.on_partitions_revoked.connect
     async def hand_over(app, revoked, **kwargs):

@@ -16,6 +16,11 @@ A flush job then goes through its steps, each done once and retried on its own:
    finish_flush). A delivery error sends the job again, whole, and every later
    job already sent after it, in order (so a job's state is never overtaken by
    an older one); compute is not redone;
+   a fatal producer error (a fenced or otherwise failed idempotent producer,
+   KafkaError.fatal()) cannot be cured by resending: the processor records it
+   in `fatal_error`, stops publishing, and the worker exits non-zero so it is
+   restarted with a new producer (nothing is lost: nothing unacknowledged was
+   committed);
 3. only in-process (a store was given: tests, benchmarks, tools): the sink's
    TopicWriter stores what step 2 produced, as a sink would.
 A worker does not write the store: sinks consume the raw and derived topics.
@@ -107,6 +112,11 @@ class ProcessorStats:
 
 
 DeadLetter = tuple[MessageRef, "bytes | None", str]
+
+
+# librdkafka's codes for a producer that can never deliver again: _FATAL (-150), PRODUCER_FENCED (90),
+# INVALID_PRODUCER_EPOCH (47). Numbers, so this module does not import confluent-kafka.
+FATAL_PRODUCER_CODES = frozenset((-150, 90, 47))
 
 
 class Delivery:
@@ -214,6 +224,7 @@ class StreamProcessor:
         self.kafka_outage = OutageLog(log, "publishing to Kafka failed", cfg.store_error_log_s, clock)
         self.handling_errors = OutageLog(log, "a message failed after decoding (sent to the DLQ)",
                                          cfg.store_error_log_s, clock)
+        self.fatal_error: str | None = None  # the producer cannot go on (see _note_fatal); the worker exits
 
     # ---- jobs' states -------------------------------------------------------------
     def _job_state(self, tenant: str, job: str) -> JobState:
@@ -349,6 +360,8 @@ class StreamProcessor:
         by the next flush. A job whose delivery failed is sent again, and so is every later job that was
         sent after it, so that the newest state of a job stays the last one on <prefix>.model-state."""
         jobs = job.earlier + [job]
+        if self.fatal_error is not None:  # resending through a failed producer would only fail again
+            return False
         store_up = self.store_outage.down_since is None or self.clock() - self._last_store_try >= STORE_RETRY_S
         self._poll()
         resend = False
@@ -369,6 +382,7 @@ class StreamProcessor:
                 except Exception as exc:
                     self.stats.publish_errors += 1
                     self.kafka_outage.failed(exc)
+                    self._note_fatal(exc.args[0] if exc.args else None)
                     return False
             if self.in_process and store_up and not j.sunk:
                 store_up = self._sink(j)
@@ -388,6 +402,19 @@ class StreamProcessor:
             return
         self.stats.publish_errors += 1
         self.kafka_outage.failed(RuntimeError(f"delivery failed: {err}"))
+        self._note_fatal(err)
+
+    def _note_fatal(self, err) -> None:
+        """Record a fatal producer error: KafkaError.fatal(), or a delivery error that only comes from a
+        producer that failed for good (an idempotent producer fenced after timed-out messages reports
+        PRODUCER_FENCED per message, not fatal() on it; measured with tansu). Every later send fails the same
+        way, so the worker must stop and start anew."""
+        fatal = getattr(err, "fatal", None)
+        code = getattr(err, "code", None)
+        if self.fatal_error is None and ((callable(fatal) and fatal())
+                                         or (callable(code) and code() in FATAL_PRODUCER_CODES)):
+            self.fatal_error = f"the Kafka producer failed for good ({err}); restart the worker to get a new one"
+            log.critical("%s", self.fatal_error)
 
     def _compute(self, job: FlushJob) -> None:
         jobs = {w.key[:2] for w in job.windows}  # node windows too: each node has a model (model/node.py)
@@ -600,7 +627,7 @@ class StreamProcessor:
         ws = self.windows.stats
         if self.scorer is not None:
             s.update({f"model_{k}": v for k, v in asdict(self.scorer.stats).items()})
-        s.update(open_windows=len(self.windows.open), waiting_windows=self.steps.waiting_windows(),
+        s.update(fatal_error=self.fatal_error or "", open_windows=len(self.windows.open), waiting_windows=self.steps.waiting_windows(),
                  late_events=ws.late_events, revoked_windows=self.revoked_windows, replayed_events=ws.replayed_events,
                  unacked_messages=len(self._pending_refs), unstored_jobs=len(self._waiting),
                  keys=len(self.windows.keys), evicted_keys=ws.evicted_keys, evicted_models=self.evicted_models,

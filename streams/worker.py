@@ -40,6 +40,10 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
     stats_file = StatsFile(cfg.data_dir, processor.snapshot).start()
     try:
         run_worker(create_app(cfg, bootstrap, processor))
+    except SystemExit:
+        if processor.fatal_error is not None:  # stopped itself: say why, and exit non-zero to be restarted
+            raise SystemExit(f"fleetscope streams: {processor.fatal_error}") from None
+        raise
     finally:
         if processor.scorer is not None:
             try:  # a restarted worker resumes each job's model from here

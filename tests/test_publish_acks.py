@@ -232,3 +232,54 @@ def test_a_producer_that_reports_no_deliveries_is_refused(tmp_path):
             pass
     with pytest.raises(TypeError):
         StreamProcessor(cfg, producer=NoPoll(), states=object())
+
+
+class CountingSends:
+    """The real producer, counting the messages the processor hands it."""
+
+    def __init__(self, producer):
+        self.producer = producer
+        self.sent = 0
+
+    def produce(self, *args, **kwargs):
+        self.sent += 1
+        return self.producer.produce(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.producer, name)
+
+
+def test_a_producer_that_failed_for_good_stops_the_worker_instead_of_resending_forever(tmp_path, own_broker):
+    """The worker's own idempotent producer, with a short message timeout: after messages time out while the
+    broker is frozen, tansu answers it PRODUCER_FENCED, a fatal error for librdkafka (measured; with the
+    default timeout this takes a 5-minute outage). Every later send fails the same way, so resending would
+    stall the worker forever with nothing acknowledged: the processor records the fatal error, stops
+    publishing, and acknowledges nothing more (the worker then exits non-zero, streams/app.py and worker.py)."""
+    cfg = worker_cfg(tmp_path, own_broker.bootstrap)
+    producer = CountingSends(Producer(client_conf(cfg, own_broker.bootstrap, **{
+        "acks": "all", "enable.idempotence": True, "linger.ms": 5, "message.timeout.ms": 1000})))
+    w = Worker(cfg, producer)
+    try:
+        for k in range(6):
+            w.tick(k)
+        w.settle(lambda: w.proc.snapshot()["unstored_jobs"] == 0 and w.acked, 30, "the first windows' acks")
+        acked_before = list(w.acked)
+        os.kill(own_broker.pid, signal.SIGSTOP)
+        try:
+            for k in range(6, 12):
+                w.tick(k)
+            w.settle(lambda: w.proc.stats.publish_errors > 0, 30, "a delivery error while the broker is frozen")
+        finally:
+            os.kill(own_broker.pid, signal.SIGCONT)
+        w.clock.now += 3600
+        w.settle(lambda: w.proc.fatal_error is not None, 60, "the producer's fatal error", force=True)
+        assert "restart the worker" in w.proc.fatal_error
+        assert w.proc.snapshot()["fatal_error"] == w.proc.fatal_error
+        sent = producer.sent
+        for _ in range(20):  # no more sends: nothing is resent through the failed producer, nothing acked
+            w.flush(force=True)
+            time.sleep(0.02)
+        assert producer.sent == sent
+        assert w.acked == acked_before
+    finally:
+        w.close()
