@@ -5,8 +5,11 @@
 # no chDB, torch or matplotlib. Against a ClickHouse server the worker needs nothing more; the embedded chDB
 # store is for `fleetscope up` on one machine, not for these images.
 # Debian bookworm because its python3-bpfcc is built for its python3 (3.11); versions pinned to bookworm's.
+# BASE: any bookworm image; deploy/images/build-local.sh passes one it made with debootstrap when no registry is
+# reachable (podman build --build-arg BASE=localhost/fleetscope-base:bookworm).
 
-FROM debian:bookworm-slim AS python-base
+ARG BASE=debian:bookworm-slim
+FROM ${BASE} AS python-base
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3=3.11.2-1+b1 python3-venv=3.11.2-1+b1 \
  && rm -rf /var/lib/apt/lists/*
