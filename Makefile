@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install up demo test bench bench-codec bench-pipeline bench-sampler bench-probes bench-torch \
-        bench-ddp-overhead bench-model bench-scoring bench-scenarios chaos
+        bench-ddp-overhead bench-model bench-scoring bench-scenarios chaos images-local
 
 install:
 	bash install.sh
@@ -55,3 +55,7 @@ bench-scenarios:
 chaos:
 	rm -f benchmarks/results/chaos.json
 	FLEETSCOPE_CHAOS=long FLEETSCOPE_CHAOS_OUT=benchmarks/results/chaos.json $(VENV)/bin/pytest -q tests/test_chaos.py
+
+# Both images with Debian's podman from a base made here with debootstrap, no registry; root (README, Images)
+images-local:
+	sudo bash deploy/images/build-local.sh
