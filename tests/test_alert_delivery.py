@@ -50,6 +50,8 @@ def test_windows_are_grouped_per_incident_deduplicated_and_resolved(pipeline_cfg
     acme = [a for a in resolved if a["labels"]["tenant"] == "acme"][0]
     assert acme["labels"]["team"] == "ml-infra" and acme["annotations"]["windows"] == "5"
     assert acme["annotations"]["kb_entries"] == "cpu_contention (0.80)"
+    # the newest window's anomaly, as `fleetscope trace --anomaly` takes it
+    assert acme["annotations"]["anomaly_id"] == f"acme/train-1/2/{straggler[-1]['window_start_ns']}"
     assert "team" not in [a for a in resolved if a["labels"]["tenant"] == "beta"][0]["labels"]
     assert acme["startsAt"] < acme["endsAt"]
     hooks = receiver.webhook()  # the webhook hears of each incident twice: opened and resolved

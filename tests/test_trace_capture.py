@@ -182,6 +182,20 @@ def test_an_anomaly_publishes_its_ranks_window_which_the_sink_stores_and_trace_e
     assert names == {1: f"rank 1 ({cfg.host})"}
     assert [e["ts"] for e in events if e["ph"] == "i"] == [start / 1000]
 
+    # the same calls by the anomaly's id (as alerts carry it): its rank, its window ± one window
+    by_id = tmp_path / "anomaly.json"
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(cfg.data_dir), "FLEETSCOPE_WINDOW_S": str(cfg.window_s)}
+    run = subprocess.run([sys.executable, "-m", "fleetscope", "trace", "--anomaly", f"{tenant}/{job}/1/{start}",
+                          "--out", str(by_id)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"{len(want)} calls, 1 anomaly windows" in run.stdout
+    spans = [e for e in json.loads(by_id.read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] == "cuda"]
+    assert {(e["tid"], e["args"]["api"], e["ts"]): e["dur"] for e in spans} == by_call
+    for bad, says in ((f"{tenant}/{job}/1/{start + 10**9}", "no anomaly"), (f"{job}/1", "is not TENANT/JOB/RANK")):
+        run = subprocess.run([sys.executable, "-m", "fleetscope", "trace", "--anomaly", bad, "--out",
+                              str(tmp_path / "bad.json")], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and says in run.stderr, (bad, run.stderr)
+
 
 def test_a_failing_record_is_counted_never_raised(pipeline_cfg, broker):
     cfg = replace(pipeline_cfg, kafka=broker.bootstrap, trace_capture_s=30.0)

@@ -1,12 +1,13 @@
 """Alertmanager v2 payloads (POST /api/v2/alerts, the `postableAlerts` definition of its OpenAPI spec).
 
 An incident's labels are its identity, so they never change while it fires: alertname, tenant, job, host,
-rank, role and the tenant's routing labels. What changes (windows, score, KB entries) goes in annotations.
+rank, role and the tenant's routing labels. What changes (windows, score, KB entries, the newest window's anomaly_id) goes in annotations.
 """
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from fleetscope.anomaly_id import AnomalyId
 from fleetscope.streams.alerting.incidents import Incident
 
 ALERTNAME = "FleetscopeIncident"
@@ -41,6 +42,9 @@ def postable_alert(inc: Incident, routing_labels: dict[str, str]) -> dict:
                         "last_window": rfc3339(inc.last_window_ns)},
         "startsAt": rfc3339(inc.first_window_ns),
     }
+    if inc.key.rank >= 0:  # its newest window, for `fleetscope trace --anomaly` (a job-wide incident has no rank)
+        k = inc.key
+        alert["annotations"]["anomaly_id"] = str(AnomalyId(k.tenant, k.job, k.rank, inc.last_window_ns))
     if inc.resolved_at_ns is not None:
         alert["endsAt"] = rfc3339(inc.resolved_at_ns)
     return alert

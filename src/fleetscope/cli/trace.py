@@ -5,11 +5,13 @@ sampling interval, one track per source and rank), the anomaly windows, and the 
 per-call records agents with `trace_capture_s` set captured around anomalies of their ranks (producers/
 trace_capture.py), one complete event per call with its measured duration. With --records it also takes
 per-call records from a file (JSON lines of {api, pid, tid, ts_ns, dur_ns, ...}). "The last N seconds" end at
-the job's newest row in raw_metrics or trace_events.
+the job's newest row in raw_metrics or trace_events. With --anomaly ID (TENANT/JOB/RANK/WINDOW_START_NS, as
+alerts carry it) it exports that rank around that window instead: the window ± one window (`window_s`), which
+is what a capture around it holds.
 
 Not done here: switching a running agent's tracers into detail mode for N seconds needs a control channel to
 the agent that does not exist yet, so the command does not do that; calls are on the timeline only where an
-agent captured them around an anomaly (or a --records file has them). There is no --anomaly ID yet either.
+agent captured them around an anomaly (or a --records file has them).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from fleetscope.anomaly_id import parse_anomaly_id
 from fleetscope.cli.common import load_config, open_configured_store
 
 TRACED = ("cuda", "nccl", "python", "torch")
@@ -35,7 +38,7 @@ FROM raw_metrics
 WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})
   AND ({rank:Int32} < 0 OR rank = {rank:Int32})
   AND source IN ('cuda', 'nccl', 'python', 'torch')
-  AND ts >= fromUnixTimestamp64Nano({since_ns:Int64})
+  AND ts >= fromUnixTimestamp64Nano({since_ns:Int64}) AND ts < fromUnixTimestamp64Nano({until_ns:Int64})
 ORDER BY rank, ts
 LIMIT 500000
 """
@@ -45,6 +48,7 @@ FROM anomalies FINAL
 WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})
   AND ({rank:Int32} < 0 OR rank = {rank:Int32})
   AND window_start >= fromUnixTimestamp64Nano({since_ns:Int64})
+  AND window_start < fromUnixTimestamp64Nano({until_ns:Int64})
 ORDER BY window_start
 """
 CALLS_SQL = """
@@ -52,9 +56,14 @@ SELECT rank, host, source, api, pid, tid, toUnixTimestamp64Nano(ts) AS ts_ns, du
 FROM trace_events FINAL
 WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})
   AND ({rank:Int32} < 0 OR rank = {rank:Int32})
-  AND ts >= fromUnixTimestamp64Nano({since_ns:Int64})
+  AND ts >= fromUnixTimestamp64Nano({since_ns:Int64}) AND ts < fromUnixTimestamp64Nano({until_ns:Int64})
 ORDER BY rank, ts
 LIMIT 500000
+"""
+ANOMALY_SQL = """
+SELECT count() AS n FROM anomalies FINAL
+WHERE tenant = {tenant:String} AND job = {job:String} AND rank = {rank:Int32}
+  AND window_start = fromUnixTimestamp64Nano({window_ns:Int64})
 """
 PIDS_SQL = """
 SELECT DISTINCT pid, rank, host FROM raw_metrics
@@ -86,14 +95,36 @@ def add_stored_calls(trace, calls: list[dict]) -> int:
                for (rank, host, source), records in groups.items())
 
 
+def anomaly_span(args, cfg) -> dict:
+    """--anomaly: the query parameters of its rank, its window ± one window; SystemExit if the id is malformed."""
+    try:
+        aid = parse_anomaly_id(args.anomaly)
+    except ValueError as exc:
+        raise SystemExit(f"fleetscope trace: {exc}") from None
+    window_ns = int(cfg.window_s * 1e9)
+    args.job, args.rank, args.seconds = aid.job, aid.rank, 3 * cfg.window_s
+    return {"job": aid.job, "tenant": aid.tenant, "rank": aid.rank, "window_ns": aid.window_start_ns,
+            "since_ns": aid.window_start_ns - window_ns, "until_ns": aid.window_start_ns + 2 * window_ns}
+
+
 def cmd_trace(args) -> int:
     from fleetscope.chrome_trace import ChromeTrace
-    params = {"job": args.job, "tenant": args.tenant or "", "rank": args.rank if args.rank is not None else -1,
-              "seconds": int(args.seconds)}
-    store = open_configured_store(load_config(args))
+    cfg = load_config(args)
+    if args.anomaly:
+        params = anomaly_span(args, cfg)
+    else:
+        params = {"job": args.job, "tenant": args.tenant or "", "rank": args.rank if args.rank is not None else -1}
+    store = open_configured_store(cfg)
     try:
-        end_ns = int(store.read_query(END_SQL, params).as_dicts()[0]["end_ns"])
-        params["since_ns"] = end_ns - int(args.seconds * 1e9)
+        if args.anomaly:
+            if not int(store.read_query(ANOMALY_SQL, params).as_dicts()[0]["n"]):
+                print(f"fleetscope trace: no anomaly {args.anomaly} in the store; list them with `fleetscope query "
+                      "\"SELECT tenant, job, rank, toUnixTimestamp64Nano(window_start) FROM anomalies\"`",
+                      file=sys.stderr)
+                return 1
+        else:
+            end_ns = int(store.read_query(END_SQL, params).as_dicts()[0]["end_ns"])
+            params["since_ns"], params["until_ns"] = end_ns - int(args.seconds * 1e9), end_ns + 1
         rows = store.read_query(ROWS_SQL, params).as_dicts()
         anomalies = store.read_query(ANOMALIES_SQL, params).as_dicts()
         calls = store.read_query(CALLS_SQL, params).as_dicts()
@@ -121,7 +152,10 @@ def cmd_trace(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("trace", help="export a job's last N seconds as a Perfetto / chrome://tracing timeline")
-    p.add_argument("--job", required=True, help="the job to export")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--job", help="the job to export")
+    which.add_argument("--anomaly", metavar="ID", help="export one anomaly's rank, its window ± one window: "
+                       "TENANT/JOB/RANK/WINDOW_START_NS, as alerts carry it (annotation anomaly_id)")
     p.add_argument("--tenant", help="the job's tenant (default: any)")
     p.add_argument("--rank", type=int, help="only this rank (default: all)")
     p.add_argument("--seconds", type=float, default=60.0, help="how far back from the job's newest row (default: 60)")
