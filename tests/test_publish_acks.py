@@ -185,6 +185,23 @@ def test_a_flush_does_not_wait_for_acks_and_acknowledges_its_inputs_only_after_t
         w.close()
 
 
+def acked_then_failed_delivery(w: "Worker", broker) -> list[int]:
+    """Six ticks acknowledged, then six more while the broker is frozen until a delivery fails (the broker is
+    thawed again); the offsets acknowledged before the freeze."""
+    for k in range(6):
+        w.tick(k)
+    w.settle(lambda: w.proc.snapshot()["unstored_jobs"] == 0 and w.acked, 30, "the first windows' acks")
+    acked_before = list(w.acked)
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        for k in range(6, 12):
+            w.tick(k)
+        w.settle(lambda: w.proc.stats.publish_errors > 0, 30, "a delivery error while the broker is frozen")
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+    return acked_before
+
+
 def test_a_delivery_error_sends_the_job_again_without_computing_it_again(tmp_path, own_broker):
     """Kafka gives up on the messages (message.timeout.ms passes while the broker is frozen): the delivery
     callbacks report errors, counted in the stats; the jobs are sent again, whole and in order, once it answers.
@@ -196,18 +213,8 @@ def test_a_delivery_error_sends_the_job_again_without_computing_it_again(tmp_pat
         "acks": "all", "linger.ms": 5, "message.timeout.ms": 1000}))
     w = Worker(cfg, producer)
     try:
-        for k in range(6):
-            w.tick(k)
-        w.settle(lambda: w.proc.snapshot()["unstored_jobs"] == 0 and w.acked, 30, "the first windows' acks")
-        acked_before = list(w.acked)
-        os.kill(own_broker.pid, signal.SIGSTOP)
-        try:
-            for k in range(6, 12):
-                w.tick(k)
-            w.settle(lambda: w.proc.stats.publish_errors > 0, 30, "a delivery error while the broker is frozen")
-            assert w.acked == acked_before  # a job whose delivery failed is not published
-        finally:
-            os.kill(own_broker.pid, signal.SIGCONT)
+        acked_before = acked_then_failed_delivery(w, own_broker)
+        assert w.acked == acked_before  # a job whose delivery failed is not published
         w.clock.now += 3600
         w.settle(lambda: len(w.acked) == w.offset, 90, "every input acknowledged after the retry", force=True)
         assert w.acked == list(range(w.offset))
@@ -260,17 +267,7 @@ def test_a_producer_that_failed_for_good_stops_the_worker_instead_of_resending_f
         "acks": "all", "enable.idempotence": True, "linger.ms": 5, "message.timeout.ms": 1000})))
     w = Worker(cfg, producer)
     try:
-        for k in range(6):
-            w.tick(k)
-        w.settle(lambda: w.proc.snapshot()["unstored_jobs"] == 0 and w.acked, 30, "the first windows' acks")
-        acked_before = list(w.acked)
-        os.kill(own_broker.pid, signal.SIGSTOP)
-        try:
-            for k in range(6, 12):
-                w.tick(k)
-            w.settle(lambda: w.proc.stats.publish_errors > 0, 30, "a delivery error while the broker is frozen")
-        finally:
-            os.kill(own_broker.pid, signal.SIGCONT)
+        acked_before = acked_then_failed_delivery(w, own_broker)
         w.clock.now += 3600
         w.settle(lambda: w.proc.fatal_error is not None, 60, "the producer's fatal error", force=True)
         assert "restart the worker" in w.proc.fatal_error
