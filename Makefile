@@ -57,5 +57,5 @@ chaos:
 	FLEETSCOPE_CHAOS=long FLEETSCOPE_CHAOS_OUT=benchmarks/results/chaos.json $(VENV)/bin/pytest -q tests/test_chaos.py
 
 # Both images with Debian's podman from a base made here with debootstrap, no registry; root (README, Images)
-images-local:
-	sudo bash deploy/images/build-local.sh
+images-local:  # root builds directly; anyone else through sudo
+	$(if $(filter 0,$(shell id -u)),,sudo) bash deploy/images/build-local.sh
