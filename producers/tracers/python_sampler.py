@@ -111,6 +111,24 @@ def parse_raw(text: str, prefixes: tuple[str, ...] = ()) -> tuple[int, Counter, 
     return samples, inclusive, own
 
 
+DUMP_TIMEOUT_S = 5.0  # all of a tick's stack dumps together
+
+
+def top_of_dump(text: str, pid: int, prefixes: tuple[str, ...]) -> str | None:
+    """The innermost "module:function" of the main thread in `py-spy dump --json` output (the thread whose id
+    is the pid, else the first), past the configured prefixes; None if there is none or the text is not JSON."""
+    try:
+        threads = json.loads(text)
+    except ValueError:
+        return None
+    main = [t for t in threads if t.get("os_thread_id") == pid] or threads[:1]
+    for frame in (main[0].get("frames") or []) if main else []:   # innermost first
+        file = frame.get("filename") or ""
+        if not prefixes or file.startswith(prefixes):
+            return f"{module_name(file)}:{frame.get('name')}"
+    return None
+
+
 class PythonSampler:
     SOURCE = "python_sampler"
     FAMILIES = {"stacks": "always"}  # no probe hits: the traced process is never stopped
@@ -187,10 +205,10 @@ class PythonSampler:
     def sample(self, now_ns: int | None = None) -> Batch | None:
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
         rows: list[tuple] = []
-        for pid, window in list(self.windows.items()):
-            if window is None or window.proc.poll() is None:
-                continue  # off, or still sampling
-            rows += self._window_rows(pid, window, now_ns)
+        ended = [(pid, w) for pid, w in list(self.windows.items()) if w is not None and w.proc.poll() is not None]
+        tops = self._stack_tops([pid for pid, _ in ended if os.path.exists(f"/proc/{pid}")])
+        for pid, window in ended:   # the others are off, or still sampling
+            rows += self._window_rows(pid, window, now_ns, tops.get(pid))
             if os.path.exists(f"/proc/{pid}") and pid not in self.unavailable:
                 self.windows[pid] = self._start(pid)
             else:
@@ -199,7 +217,7 @@ class PythonSampler:
             return None
         return metric_batch(self.SOURCE, self.host, rows, now_ns, 0, self._identity)
 
-    def _window_rows(self, pid: int, window: Window, now_ns: int) -> list[tuple]:
+    def _window_rows(self, pid: int, window: Window, now_ns: int, top: str | None) -> list[tuple]:
         err = window.proc.stderr.read()
         window.proc.stderr.close()
         try:
@@ -215,7 +233,6 @@ class PythonSampler:
         samples, inclusive, own = parse_raw(text, self.prefixes)
         span = max(now_ns - window.started_ns, 0)
         rows = [("python.samples", "all", samples, pid, span, 1.0)]
-        top = self._stack_top(pid)
         if top is not None:
             rows.append(("python.stack_top", top, 1.0, pid, 0, 1.0))
         if samples:
@@ -225,21 +242,30 @@ class PythonSampler:
                      for name, n in own.most_common(self.top_n)]
         return rows
 
-    def _stack_top(self, pid: int) -> str | None:
-        """The main thread's innermost "module:function" now (idle or not), or None if py-spy cannot say."""
-        try:
-            done = subprocess.run([self.py_spy, "dump", "--pid", str(pid), "--nonblocking", "--json",
-                                   "--full-filenames"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=5)
-            threads = json.loads(done.stdout) if done.returncode == 0 else []
-        except (subprocess.TimeoutExpired, ValueError, OSError):
-            return None
-        main = [t for t in threads if t.get("os_thread_id") == pid] or threads[:1]
-        for frame in (main[0].get("frames") or []) if main else []:   # innermost first
-            file = frame.get("filename") or ""
-            if not self.prefixes or file.startswith(self.prefixes):
-                return f"{module_name(file)}:{frame.get('name')}"
-        return None
+    def _stack_tops(self, pids: list[int]) -> dict[int, str]:
+        """Each pid's main-thread innermost "module:function" now (idle or not), where py-spy can say. The dumps
+        run side by side under one deadline, so the agent's tick waits for the slowest, not for their sum."""
+        dumps = {}
+        for pid in pids:
+            try:
+                dumps[pid] = subprocess.Popen([self.py_spy, "dump", "--pid", str(pid), "--nonblocking", "--json",
+                                               "--full-filenames"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL, text=True)
+            except OSError:   # no signature this window, as when py-spy cannot read the process
+                continue
+        deadline = time.monotonic() + DUMP_TIMEOUT_S
+        tops = {}
+        for pid, proc in dumps.items():
+            try:
+                out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                continue
+            top = top_of_dump(out, pid, self.prefixes) if proc.returncode == 0 else None
+            if top is not None:
+                tops[pid] = top
+        return tops
 
     def _identity(self, pid: int) :
         return identity(self.resolver, self.host, pid)
