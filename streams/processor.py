@@ -627,7 +627,8 @@ class StreamProcessor:
         ws = self.windows.stats
         if self.scorer is not None:
             s.update({f"model_{k}": v for k, v in asdict(self.scorer.stats).items()})
-        s.update(fatal_error=self.fatal_error or "", open_windows=len(self.windows.open), waiting_windows=self.steps.waiting_windows(),
+        s.update(fatal_error=self.fatal_error or "", open_windows=len(self.windows.open),
+                 waiting_windows=self.steps.waiting_windows(),
                  late_events=ws.late_events, revoked_windows=self.revoked_windows, replayed_events=ws.replayed_events,
                  unacked_messages=len(self._pending_refs), unstored_jobs=len(self._waiting),
                  keys=len(self.windows.keys), evicted_keys=ws.evicted_keys, evicted_models=self.evicted_models,
