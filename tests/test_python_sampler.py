@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from fleetscope.eval.gpu_stub.batches import index, rows as batch_rows
-from fleetscope.eval.workloads import py_calls
 from fleetscope.producers.tracers.python_sampler import is_python, parse_raw
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="py-spy reads another process's memory: needs root")
@@ -43,10 +42,31 @@ def sampler():
     s.close()
 
 
+SPIN = """
+def leaf(x):
+    return x + 1
+
+
+def middle(x):
+    return leaf(leaf(x))
+
+
+def run():
+    total = 0
+    while True:  # never sleeps or waits: a sample that finds the thread running (or runnable) finds it in run()
+        total = middle(total) % 1000
+
+
+run()
+"""
+
+
 def _loop(python: str, tmp_path: Path) -> subprocess.Popen:
-    go = tmp_path / "go"
-    go.touch()
-    proc = subprocess.Popen([python, py_calls.__file__, str(go), "loop"])
+    """A Python process spinning in spin:run -> middle -> leaf. It never sleeps: on a loaded machine a thread that
+    sleeps and wakes waits for a CPU outside the function it woke into, which would move the shares."""
+    script = tmp_path / "spin.py"
+    script.write_text(SPIN)
+    proc = subprocess.Popen([python, str(script)])
     # in its loop before it is sampled: on a loaded machine the interpreter's start-up (imports, not run())
     # can fill a whole first window; 0.3 s of CPU is far past start-up (about 0.05 s)
     deadline = time.monotonic() + 60
@@ -66,20 +86,24 @@ def test_a_python_process_is_sampled_per_window_with_its_top_functions(sampler, 
     p = _loop(python, tmp_path)
     try:
         assert sampler.add_pid(p.pid)
-        deadline, got = time.monotonic() + 30, None
+        # Beside one busy loop per core py-spy waits for a CPU, and its attach counts against its 1 s --duration:
+        # a window then holds 0-4 samples (measured), and a --nonblocking read torn by a preemption misses frames.
+        # The shares are checked on the first window that holds at least 10 samples, among the first eight.
+        deadline, got, windows = time.monotonic() + 60, None, 0
         while got is None:
-            assert time.monotonic() < deadline, "no window ended in 30 s"
+            assert time.monotonic() < deadline and windows < 8, f"no window with 10 samples in {windows} windows"
             batch = sampler.sample()
             if batch is not None:
-                got = batch
+                windows += 1
+                rows = index([batch])  # validated against the schema and round-tripped through the wire codec
+                assert ("python.samples", "all") in rows and {r["pid"] for r in batch_rows(batch)} == {p.pid}
+                if rows[("python.samples", "all")] >= 10:
+                    got = batch
             time.sleep(0.1)
-        rows = index([got])  # validated against the schema and round-tripped through the wire codec
-        # ~49 in a 1 s window; beside one busy loop per core py-spy itself waits for a CPU (10 measured in CI)
-        assert rows[("python.samples", "all")] >= 5
-        # the loop spends its time in run(); <module> is under every stack (a --nonblocking read may miss a frame)
-        assert rows[("python.sample_share", "py_calls:<module>")] >= rows[("python.sample_share", "py_calls:run")] >= 0.5
+        # the loop spends all its time in run(); <module> is under every stack (a --nonblocking read may miss a frame)
+        assert rows[("python.sample_share", "spin:<module>")] >= rows[("python.sample_share", "spin:run")] >= 0.5
         top_self = max((v, d) for (m, d), v in rows.items() if m == "python.sample_self_share")
-        assert top_self[1] in ("py_calls:run", "py_calls:middle", "py_calls:leaf"), top_self
+        assert top_self[1] in ("spin:run", "spin:middle", "spin:leaf"), top_self
         assert {r["pid"] for r in batch_rows(got)} == {p.pid}
         assert p.pid in sampler.pids  # the next window runs
     finally:
