@@ -48,6 +48,8 @@ BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
                         "node": ()},
     # streams/stack_signature.py: the id of the rank's top sampled Python function (a category, not a quantity)
     "top_frame_features": {"rank": ("python_top_frame_id",), "node": ()},
+    # streams/exit_features.py: a crashed process of the rank, in the window it ended (events, not quantities)
+    "exit_features": {"rank": ("process_exit_abnormal", "process_exit_signal"), "node": ()},
     "torch_features": {"rank": ("torch_ops_per_s", *(f"torch_{cls}_ops_per_s" for cls, _ in TORCH_CLASSES),
                                 "torch_other_ops_per_s", "torch_op_time_frac", "torch_comm_wait_frac",
                                 "torch_comm_waits_per_s", "torch_work_wait_frac"), "node": ()},
@@ -62,7 +64,7 @@ JOINED_FEATURES = frozenset(("gpu_util", "gpu_power_w", "gpu_ofu", "gpu_tensor_u
                              "thp_coverage_frac", "page_faults_per_s", "numa_miss_ratio", "irq_max_cpu_share",
                              "cpu_softirq_frac", "cpu_busy_frac")) & NODE_FEATURES
 # Derived by the scorer's loud-failure checks (streams/model/loud.py), on the rank they blame.
-LOUD_FEATURES = frozenset(("rank_vanished", "collective_stalled", "gpu_ecc_new_errors"))
+LOUD_FEATURES = frozenset(("rank_vanished", "rank_crashed", "collective_stalled", "gpu_ecc_new_errors"))
 # A job's aggregate of its ranks' own GPUs per window (streams/rank_context.job_gpu_means over one step's
 # joined vectors), added by the scorer to every rank's evidence: the job's OFU, for comparing a job with
 # its own history (job_ofu_ratio).
@@ -73,7 +75,11 @@ RANK_JOIN_FEATURES = frozenset(("irq_rank_cpu_share",))
 # Ids, not quantities (streams/stack_signature.py): compared for equality by the loud checks, never scored
 # by a model nor peer z'd (stack_signature.model_input leaves them out of the model's vector).
 CATEGORICAL_FEATURES = frozenset(("python_top_frame_id",))
-PEER_Z_FEATURES = (RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES) - CATEGORICAL_FEATURES
+# Events, present only in the window they happen in (streams/exit_features.py): read by the loud checks,
+# never scored by a model nor peer z'd, like the categorical ids.
+EVENT_FEATURES = frozenset(("process_exit_abnormal", "process_exit_signal"))
+NOT_MODEL_INPUTS = CATEGORICAL_FEATURES | EVENT_FEATURES
+PEER_Z_FEATURES = (RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES) - NOT_MODEL_INPUTS
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
 JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio", "job_ofu_ratio"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.

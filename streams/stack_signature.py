@@ -26,7 +26,7 @@ from __future__ import annotations
 import zlib
 from typing import Mapping
 
-from fleetscope.streams.feature_catalogue import CATEGORICAL_FEATURES
+from fleetscope.streams.feature_catalogue import NOT_MODEL_INPUTS
 from fleetscope.streams.windows import Window
 
 SOURCE = "python_sampler"
@@ -48,5 +48,6 @@ def top_frame_features(w: Window) -> dict[str, float]:
 
 
 def model_input(vector: Mapping[str, float]) -> dict[str, float]:
-    """The vector a numeric model sees: without categorical features (ids, not quantities)."""
-    return {k: v for k, v in vector.items() if k not in CATEGORICAL_FEATURES}
+    """The vector a numeric model sees: without categorical features (ids, not quantities) and events
+    (feature_catalogue.NOT_MODEL_INPUTS)."""
+    return {k: v for k, v in vector.items() if k not in NOT_MODEL_INPUTS}

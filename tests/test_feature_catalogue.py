@@ -37,7 +37,8 @@ RANK_ROWS = {   # source -> (metric, device, value, interval_ns): every metric t
               ("torch.comm_wait_ns", "recv", 1e6, TICK), ("torch.comm_wait_calls", "recv", 3, TICK),
               ("torch.comm_wait_ns", "work", 1e6, TICK)],
     "kernel": [(m, "all", 1e6, TICK) for m in ("kernel.offcpu_ns", "kernel.runq_wait_ns", "kernel.ctx_switches",
-                                              "kernel.tcp_retransmits", "kernel.irq_count")],
+                                              "kernel.tcp_retransmits", "kernel.irq_count")]
+              + [("kernel.process_exit", "signal:SIGKILL", 1, TICK)],   # a crashed process (exit_features)
     "proc": [(m, "pid77", 1e6, TICK) for m in ("proc.cpu_ns", "proc.majflt", "proc.minflt", "proc.vol_ctx",
                                              "proc.invol_ctx", "proc.read_bytes", "proc.write_bytes")]
             + [("proc.rss_bytes", "pid77", 1e9, 0), ("proc.threads", "pid77", 8, 0)],

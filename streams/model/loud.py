@@ -8,6 +8,14 @@ GPU, see streams/rank_context.py):
   uncorrected ECC errors or of rows pending/failing remap grew since the
   previous window (``gpu_ecc_new_errors``; the counts are cumulative, so a
   value that merely stays non-zero is not new);
+- ``crashed``: a process of the rank crashed in this window: the kernel tracer saw it end by a
+  signal other than a stop request, or exit non-zero (``process_exit_abnormal``, see
+  streams/exit_features.py). A launcher tears the job down when one rank dies (torchrun sends the
+  others SIGTERM, which is a stop, not a crash), but peers that lose their collective partner may
+  also die on their own first (an exception: exit 1). So the job's first crashed step names its
+  culprits: the ranks a signal killed, or, when none was, every rank that crashed; the other ranks
+  that crash in that step or in steps up to ``crash_collateral_s`` after it are ``waiting``
+  (they went down because of it). Counted in late steps too: an exit is an event, like an Xid;
 - ``vanished``: a rank of the job sent nothing while its peers went on
   reporting for ``vanish_windows`` steps without it (a crashed or killed
   rank); it gets a row of its own with ``rank_vanished`` = 1, in the window
@@ -49,13 +57,14 @@ from dataclasses import dataclass, field
 from collections import Counter
 from typing import Mapping, Sequence
 
+from fleetscope.streams.exit_features import ABNORMAL, SIGNAL
 from fleetscope.streams.model.roles import CULPRIT, JOB, WAITING
 from fleetscope.streams.stack_signature import FEATURE as FRAME_FEATURE
 
 CALL_RATES = ("nccl_calls_per_s", "torch_comm_waits_per_s")
 ECC_COUNTS = ("gpu_ecc_uncorrected", "gpu_row_remap_pending")
 KIND_FEATURE = {"xid": "gpu_xid_count", "ecc": "gpu_ecc_new_errors", "vanished": "rank_vanished",
-                "hung": "collective_stalled"}
+                "hung": "collective_stalled", "crashed": "rank_crashed"}
 
 
 @dataclass
@@ -63,15 +72,21 @@ class LoudFlag:
     index: int | None          # the step row it concerns; None for a vanished rank (no row)
     host: str
     rank: int
-    kind: str                  # xid | ecc | vanished | hung
+    kind: str                  # xid | ecc | crashed | vanished | hung
     features: dict[str, float] = field(default_factory=dict)
     start_ns: int | None = None  # a vanished rank: the window it went silent in (the first one missing)
-    role: str = ""             # set by the check itself (hung: culprit/waiting/job); "" lets the scorer decide
+    role: str = ""             # set by the check itself (hung: culprit/waiting/job, crashed: culprit/waiting);
+    #                            "" lets the scorer decide
 
 
 class LoudFailures:
-    def __init__(self, history: int = 3, vanish_windows: int = 4, hang_windows: int = 4):
+    def __init__(self, history: int = 3, vanish_windows: int = 4, hang_windows: int = 4,
+                 crash_collateral_s: float = 10.0):
         self.history = history
+        self.crash_collateral_s = crash_collateral_s  # after a job's first crash, how long further crashes wait on it
+        self.first_crash: dict[tuple[str, str], int] = {}           # job -> start of its first crashed step
+        # job -> {(host, rank): its crashed step}: not ``vanished`` too, until it reports again after that step
+        self.crashed_at: dict[tuple[str, str], dict[tuple[str, int], int]] = {}
         self.vanish_windows = vanish_windows   # peers' steps without a rank before it is vanished
         self.hang_windows = hang_windows       # silent steps in a row, every rank reporting, before a hang
         self.members: dict[tuple[str, str], set[tuple[str, int]]] = {}
@@ -83,7 +98,7 @@ class LoudFailures:
         self.newest: dict[tuple[str, str], int] = {}               # the job's newest step start
         self.calling: dict[tuple[str, str, str, int], int] = {}   # windows in a row with completed collectives
         self.ecc_seen: dict[tuple[str, int], float] = {}            # (host, rank) -> its GPU's last cumulative count
-        self.counts = {"xid": 0, "ecc": 0, "vanished": 0, "hung": 0}
+        self.counts = {"xid": 0, "ecc": 0, "crashed": 0, "vanished": 0, "hung": 0}
 
     def step(self, job: tuple[str, str], start_ns: int, members: Sequence[tuple[str, int]],
              vectors: Sequence[Mapping[str, float]]) -> list[LoudFlag]:
@@ -96,6 +111,7 @@ class LoudFailures:
             if new > 0 or _num(v.get("gpu_ecc_dbe_count")) >= 1:
                 flags.append(LoudFlag(i, host, rank, "ecc", {"gpu_ecc_new_errors": max(new, 0.0)
                                                              + _num(v.get("gpu_ecc_dbe_count"))}))
+        flags += self._crashed(job, start_ns, members, vectors)
         if late:   # a late or replayed step: its hardware events count, its membership and silence do not
             return self._count(flags)
         self.newest[job] = start_ns
@@ -104,15 +120,37 @@ class LoudFailures:
         flags += self._hung(job, members, vectors)
         return self._count(flags)
 
+    def _crashed(self, job, start_ns: int, members, vectors) -> list[LoudFlag]:
+        """Ranks with a crashed process in this step: the job's first crash names its culprits, the crashes
+        that follow it within ``crash_collateral_s`` wait on it."""
+        crashed = [i for i, v in enumerate(vectors) if _num(v.get(ABNORMAL)) >= 1]
+        if not crashed:
+            return []
+        first = self.first_crash.get(job)
+        if first is None or not first <= start_ns <= first + int(self.crash_collateral_s * 1e9):
+            self.first_crash[job] = first = start_ns   # a new crash: this step names its culprits
+        gone = self.crashed_at.setdefault(job, {})
+        for i in crashed:
+            gone[members[i]] = start_ns
+        culprits = set()
+        if start_ns == first:
+            culprits = {i for i in crashed if _num(vectors[i].get(SIGNAL)) > 0} or set(crashed)
+        return [LoudFlag(i, members[i][0], members[i][1], "crashed",
+                         {"rank_crashed": 1.0, SIGNAL: _num(vectors[i].get(SIGNAL))},
+                         role=CULPRIT if i in culprits else WAITING) for i in crashed]
+
     def _vanished(self, job, start_ns: int, present: set) -> list[LoudFlag]:
         """Ranks that its peers have gone on without for ``vanish_windows`` steps; each flagged once."""
         known = self.members.setdefault(job, set())
         known |= present
         missing = self.missing.setdefault(job, {})
+        crashed = self.crashed_at.setdefault(job, {})
         for member in present:
             missing.pop(member, None)     # back (a late or slow rank): not gone
+            if crashed.get(member, start_ns) < start_ns:
+                del crashed[member]       # restarted after its crash: it can vanish again
         flags = []
-        for member in sorted(known - present):
+        for member in sorted(known - present - set(crashed)):   # a crashed rank was alerted as such
             seen = missing.setdefault(member, [start_ns, 0])
             if seen[1] < 0:
                 continue                  # flagged already
@@ -153,7 +191,8 @@ class LoudFailures:
             else:
                 self.calling.pop(key, None)
         silent = self.silent.setdefault(job, [0])
-        leaving = any(n >= 0 for _, n in self.missing.get(job, {}).values())
+        # a rank stopped reporting, or crashed and has not come back: the job's silence is theirs to explain
+        leaving = any(n >= 0 for _, n in self.missing.get(job, {}).values()) or bool(self.crashed_at.get(job))
         frames = self.frames.setdefault(job, {})
         if not stalled or calling or leaving:
             silent[0] = 0   # calls return, or a rank stopped reporting (the job ending, or vanished's to judge)
