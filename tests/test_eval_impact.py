@@ -42,6 +42,18 @@ def test_impact_is_measured_against_quiet_windows_and_small_changes_are_no_effec
     assert m["effect"] is None and m["impact_pct"] is None  # nothing before it: not measured
 
 
+def test_a_crash_is_measured_over_the_rest_of_the_run_not_its_one_second(tmp_path):
+    from fleetscope.eval.runner import measure_impacts
+    from fleetscope.eval.scenario import load_scenario
+    path = tmp_path / "crash.yaml"
+    path.write_text("name: crash\nworkload: ddp_cpu\nranks: 3\nduration_s: 20\nwindow_s: 1\nfaults:\n"
+                    "  - {kind: crash, rank: 2, start_s: 10, duration_s: 1, expect: {kb_entry: crashed_rank, ranks: [2]}}\n")
+    rates = {r: [10.0 + 0.1 * (k % 3) for k in range(10)] + [0.0] * 10 for r in range(3)}
+    (m,) = measure_impacts(load_scenario(path), rates, 1.0, 20)
+    # the windows after its onset grace to the end, not the empty [11, 11) of its one second
+    assert m["effect"] is True and m["impact_pct"] == -100.0 and m["windows_during"] == 9
+
+
 def _result(name, split, f1_tp, fp, healthy=False, repeat=0):
     from fleetscope.eval.scorer import Score
     s = Score(tp=f1_tp, fp=fp, fn=4 - f1_tp if not healthy else 0, tn=20, precision=None)

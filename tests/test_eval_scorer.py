@@ -35,6 +35,20 @@ def test_labels_of_the_grid():
     assert window_index(7.0, 2) == 3 and window_index(6.0, 2) == 3 and window_index(5.999, 2) == 2
 
 
+def test_an_instant_fault_is_positive_in_the_window_it_happens_in_and_ignored_after():
+    """A crash at 40 s on rank 2 (1 s windows): window 40 is its own; with the usual 1 s onset grace it would be
+    ignored, and every positive after it would lie where a dead rank sends nothing."""
+    crash = FaultTruth(intervals=((40, 41),), culprits=frozenset({2}), persists=True, instant=True)
+    truth = Truth(ranks=(0, 1, 2), duration_s=60, window_s=1, faults=(crash,))
+    assert [label(truth, 2, k, onset_grace_s=1, recovery_grace_s=2) for k in (39, 40, 41, 59)] == \
+        ["negative", "positive", "ignored", "ignored"]
+    assert label(truth, 0, 40, onset_grace_s=1) == "negative"
+    state = replace(crash, instant=False)   # the same interval as a state: its only window is onset grace
+    assert label(replace(truth, faults=(state,)), 2, 40, onset_grace_s=1) == "ignored"
+    s = score_run(truth, flags(truth, {(2, 40)}), onset_grace_s=1, recovery_grace_s=2)
+    assert (s.tp, s.fn, s.fp, s.recall, s.detection_delay_windows) == (1, 0, 0, 1.0, 0)
+
+
 def test_perfect_detection():
     s = score_run(FAULT, flags(FAULT, {(1, 3), (1, 4), (1, 5), (1, 6)}),
                   [Diagnosis(1, k, "straggler_rank") for k in range(3, 7)])
@@ -208,4 +222,5 @@ def test_shipped_scenarios_load_split_and_their_faults_can_be_built(tmp_path):
     assert (f.intervals, f.culprits, f.kb_entry, t.n_windows) == (((30, 60),), {1}, "straggler_rank", 90)
     assert scenarios["healthy"].truth().healthy
     assert scenarios["gpu_memory_leak"].truth().faults[0].persists
-    assert scenarios["crash_one_rank"].truth().faults[0].persists  # a crash persists by default
+    crash = scenarios["crash_one_rank"].truth().faults[0]
+    assert crash.persists and crash.instant  # a crash persists by default, and is an event: no onset grace

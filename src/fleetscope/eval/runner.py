@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from fleetscope.eval.scenario import FaultSpec, Scenario
+from fleetscope.eval.scenario import INSTANT_KINDS, FaultSpec, Scenario
 from fleetscope.eval.scorer import Diagnosis, Truth, WindowResult, score_run
 from fleetscope.eval.timegrid import ONSET_GRACE_WINDOWS, RECOVERY_GRACE_WINDOWS, grace, ns as _ns, window_of
 from fleetscope import config as config_mod
@@ -404,8 +404,9 @@ def measure_impacts(s: Scenario, rates: dict[int, list], window_s: float, n_wind
         first = int(f.schedule.start_s // window_s)
         quiet = {k for k in range(min(first, n_windows)) if k not in busy}
         ranks = f.ranks if f.target == "ranks" else tuple(rates)
-        out.append(fault_impact(rates, window_s, f.schedule.intervals(), ranks, quiet,
-                                onset_windows=ONSET_GRACE_WINDOWS))
+        # an instant fault (a crash) lasts a moment, its effect the rest of the run (a dead rank steps no more)
+        intervals = [(f.schedule.start_s, n_windows * window_s)] if f.kind in INSTANT_KINDS else f.schedule.intervals()
+        out.append(fault_impact(rates, window_s, intervals, ranks, quiet, onset_windows=ONSET_GRACE_WINDOWS))
     return out
 
 

@@ -40,8 +40,13 @@ import yaml
 
 from fleetscope.eval.faults import KNOB_KINDS, unscored_reason
 from fleetscope.eval.scorer import FaultTruth, Truth
+from fleetscope.resources import package_dir
 
 WORKLOADS = ("ddp_cpu", "gpu_standin")
+# Faults that are an event, not a state: a crash happens in one moment. Their burst is the event's own window(s),
+# scored with no onset grace (the window it happens in is the one an alert belongs to), and their impact is
+# measured over the rest of the run (a dead rank steps no more).
+INSTANT_KINDS = frozenset(("crash",))
 FAULT_KINDS = ("cpu_quota", "competing_load", "memory_pressure", "softirq_storm", "link_delay", "crash",
                "irq_affinity", "thp_off", *KNOB_KINDS)
 # knobs read by only one of the two workloads
@@ -51,9 +56,8 @@ OUTSIDE_KINDS = {"competing_load"}  # kinds that can run as a process outside th
 REQUIREMENTS = ("gpu_standin", "root", "cgroup_cpu", "cgroup_memory")
 SCOPES = ("rank", "job", "node")
 EVENT_KINDS = ("restart",)
-KB_ENTRIES = ("gpu_power_thermal_throttling", "numa_misplacement", "irq_locality_miss", "huge_page_coverage_loss",
-              "cpu_contention_noisy_neighbour", "straggler_rank", "slow_degraded_link", "h2d_copy_stall_pageable",
-              "gpu_memory_leak", "dataloader_input_stall", "python_gc_storm", "xid_hardware_error")
+# every entry the shipped KB holds (the KB loader requires each file to be named after its entry)
+KB_ENTRIES = tuple(sorted(p.stem for p in package_dir("fleetscope.kb").glob("*.yaml")))
 DDP_RANK_ARGS = {"batch": int, "sleep_ms": (int, float), "threads": int}
 STANDIN_RANK_ARGS = {"step_sleep_ms": (int, float)}
 
@@ -141,7 +145,8 @@ class Scenario:
             effect = True if impacts is None or impacts.get(i) is None else impacts[i]
             faults.append(FaultTruth(intervals=tuple(f.schedule.intervals()), culprits=frozenset(f.expect.ranks),
                                      kb_entry=f.expect.kb_entry, scope=f.expect.scope,
-                                     persists=f.expect.persists, scored=f.scorable and effect, name=f.describe()))
+                                     persists=f.expect.persists, scored=f.scorable and effect, name=f.describe(),
+                                     instant=f.kind in INSTANT_KINDS))
         return Truth(ranks=tuple(range(self.ranks)), duration_s=self.duration_s, window_s=self.window_s,
                      faults=tuple(faults))
 

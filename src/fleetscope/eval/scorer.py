@@ -12,7 +12,8 @@ has no role (today), every flag is a culprit flag: strict scoring counts every f
 
 Labels, per (rank, window), strict (the default):
 - **positive**: the rank is a culprit of a scored fault and the window overlaps a burst
-  [start + onset_grace_s, end) of that fault;
+  [start + onset_grace_s, end) of that fault ([start, end) for an instant fault, a crash: the window it
+  happens in is the one its alert belongs to);
 - **ignored**: on a culprit rank, a window that overlaps only a burst's onset grace
   [start, start + onset_grace_s) or recovery grace [end, end + recovery_grace_s); every window
   after a fault's first burst when the fault `persists` (leaked memory, a dead rank); a window
@@ -56,6 +57,7 @@ class FaultTruth:
     persists: bool = False
     scored: bool = True
     name: str = ""
+    instant: bool = False   # an event (a crash): its bursts are scored with no onset grace
 
     def __post_init__(self):
         if not self.intervals:
@@ -197,10 +199,11 @@ def fault_label(truth: Truth, f: FaultTruth, rank: int, k: int, onset_grace_s: f
     if rank not in f.culprits:
         return None
     w0, w1 = k * truth.window_s, (k + 1) * truth.window_s
-    in_burst = any(_overlaps(w0, w1, a + onset_grace_s, b) for a, b in f.intervals)
+    onset = 0.0 if f.instant else onset_grace_s
+    in_burst = any(_overlaps(w0, w1, a + onset, b) for a, b in f.intervals)
     if in_burst:
         return "positive" if f.scored else "ignored"
-    if any(_overlaps(w0, w1, a, a + onset_grace_s) or _overlaps(w0, w1, b, b + recovery_grace_s)
+    if any(_overlaps(w0, w1, a, a + onset) or _overlaps(w0, w1, b, b + recovery_grace_s)
            for a, b in f.intervals):
         return "ignored"
     if f.persists and w0 >= f.intervals[0][0]:
