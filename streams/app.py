@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 
 import faust
 
@@ -58,22 +59,22 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
             processor.handle(event.value, event.headers, ref, key=msg.key)
             await flusher.maybe_flush()
 
+    stop_requested = threading.Event()  # the worker signalled itself once; the timer goes on firing until Faust stops
+
+    def stop_for_good() -> None:
+        # the producer failed for good: stop as on SIGTERM (acknowledged offsets are committed, the rest is
+        # replayed by the next owner); run_streams then exits non-zero
+        if not stop_requested.is_set():
+            stop_requested.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+
     @app.timer(interval=0.1)
     async def flush_idle():
         # closes windows of keys that went quiet, flushes a slow trickle, finishes the flush in flight
         if processor.fatal_error is not None:
-            stop_once()
+            stop_for_good()
             return
         await flusher.maybe_flush()
-
-    stopping = []
-
-    def stop_once() -> None:
-        # the producer failed for good: stop as on SIGTERM (acknowledged offsets are committed, the rest is
-        # replayed by the next owner); run_streams then exits non-zero
-        if not stopping:
-            stopping.append(True)
-            os.kill(os.getpid(), signal.SIGTERM)
 
     @app.on_partitions_revoked.connect
     async def hand_over(app, revoked, **kwargs):
