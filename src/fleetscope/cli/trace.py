@@ -95,14 +95,13 @@ def add_stored_calls(trace, calls: list[dict]) -> int:
                for (rank, host, source), records in groups.items())
 
 
-def anomaly_span(args, cfg) -> dict:
+def anomaly_span(anomaly_id: str, window_s: float) -> dict:
     """--anomaly: the query parameters of its rank, its window ± one window; SystemExit if the id is malformed."""
     try:
-        aid = parse_anomaly_id(args.anomaly)
+        aid = parse_anomaly_id(anomaly_id)
     except ValueError as exc:
         raise SystemExit(f"fleetscope trace: {exc}") from None
-    window_ns = int(cfg.window_s * 1e9)
-    args.job, args.rank, args.seconds = aid.job, aid.rank, 3 * cfg.window_s
+    window_ns = int(window_s * 1e9)
     return {"job": aid.job, "tenant": aid.tenant, "rank": aid.rank, "window_ns": aid.window_start_ns,
             "since_ns": aid.window_start_ns - window_ns, "until_ns": aid.window_start_ns + 2 * window_ns}
 
@@ -111,9 +110,11 @@ def cmd_trace(args) -> int:
     from fleetscope.chrome_trace import ChromeTrace
     cfg = load_config(args)
     if args.anomaly:
-        params = anomaly_span(args, cfg)
+        params, seconds = anomaly_span(args.anomaly, cfg.window_s), 3 * cfg.window_s
     else:
         params = {"job": args.job, "tenant": args.tenant or "", "rank": args.rank if args.rank is not None else -1}
+        seconds = args.seconds
+    job, rank = params["job"], (params["rank"] if params["rank"] >= 0 else None)
     store = open_configured_store(cfg)
     try:
         if args.anomaly:
@@ -124,7 +125,7 @@ def cmd_trace(args) -> int:
                 return 1
         else:
             end_ns = int(store.read_query(END_SQL, params).as_dicts()[0]["end_ns"])
-            params["since_ns"], params["until_ns"] = end_ns - int(args.seconds * 1e9), end_ns + 1
+            params["since_ns"], params["until_ns"] = end_ns - int(seconds * 1e9), end_ns + 1
         rows = store.read_query(ROWS_SQL, params).as_dicts()
         anomalies = store.read_query(ANOMALIES_SQL, params).as_dicts()
         calls = store.read_query(CALLS_SQL, params).as_dicts()
@@ -136,15 +137,15 @@ def cmd_trace(args) -> int:
     n_calls = add_stored_calls(trace, calls)
     if args.records:
         rank_of_pid = {int(p["pid"]): int(p["rank"]) for p in pids
-                       if args.rank is None or int(p["rank"]) == args.rank}
+                       if rank is None or int(p["rank"]) == rank}
         n_calls += trace.add_calls(read_records(args.records), rank_of_pid)
     n_anom = trace.add_anomalies(anomalies)
     if not (n_rows or n_calls or n_anom):
-        print(f"fleetscope trace: nothing stored for job {args.job!r} in its last {args.seconds:g} s "
+        print(f"fleetscope trace: nothing stored for job {job!r} in its last {seconds:g} s "
               f"(traced sources: {', '.join(TRACED)}); check the job name with "
               "`fleetscope query \"SELECT DISTINCT tenant, job FROM raw_metrics\"`", file=sys.stderr)
         return 1
-    Path(args.out).write_text(json.dumps(trace.to_json(job=args.job, seconds=args.seconds)))
+    Path(args.out).write_text(json.dumps(trace.to_json(job=job, seconds=seconds)))
     print(f"wrote {args.out}: {n_rows} interval events, {n_calls} calls, {n_anom} anomaly windows "
           f"(open it in ui.perfetto.dev or chrome://tracing)")
     return 0
