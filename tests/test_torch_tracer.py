@@ -72,14 +72,21 @@ def test_duty_cycling_and_exit(tracer, train):
     assert tracer.add_pid(p.pid)
     go.touch()
     time.sleep(0.5)
+    t0 = time.monotonic_ns()
     tracer.sample()
+    t1 = time.monotonic_ns()
     tracer.set_family_enabled("ops", False)
+    t2 = time.monotonic_ns()
     off = tracer.hits()["ops"]
     time.sleep(0.5)
     assert tracer.hits()["ops"] == off  # detached: the loop pays nothing
+    t3 = time.monotonic_ns()
     got = rows(tracer.sample())
-    # on only between the previous sample and the detach: a small fraction of the interval
-    assert all(r["sample_frac"] < 0.3 for r in got if r["metric"] == "torch.ops")
+    # on only between the previous sample and the detach: at most that time over the interval, measured around
+    # the calls (on a loaded machine the detach itself can take a good part of a second)
+    most = (t2 - t0) / (t3 - t1)
+    fracs = [r["sample_frac"] for r in got if r["metric"] == "torch.ops"]
+    assert fracs and all(0 < f <= most + 0.01 for f in fracs) and most < 1, (fracs, most)
     tracer.set_family_enabled("ops", True)
     time.sleep(0.5)
     ops = values(rows(tracer.sample()), "torch.ops", p.pid)
