@@ -171,7 +171,7 @@ def test_tcp_retransmit_map_attached_and_rows_well_formed(tracer_factory):
     # this test does not impose on the host; so it checks the probe is
     # attached and that any retransmit rows the host produces are well formed.
     tracer = tracer_factory()
-    assert tracer.bpf.num_open_tracepoints() == 3  # sched_switch, tcp_retransmit_skb, irq_handler_entry
+    assert tracer.bpf.num_open_tracepoints() == 4  # sched_switch, tcp_retransmit_skb, irq_handler_entry, sched_process_exit
     assert tracer._retrans.items() == []  # readable, and empty on a fresh load
     time.sleep(0.5)
     batch = tracer.sample()
