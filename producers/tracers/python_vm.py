@@ -2,9 +2,24 @@
 
 Probes: python:function__entry / function__return (family "functions",
 expensive: every call traps, ~5 us) and python:gc__start / gc__done (family
-"gc", always on). Interpreters built without USDT (pyenv, most venvs) are
-reported per process with a clear reason (`add_pid` returns False and
-`unavailable[pid]` says why).
+"gc", always on).
+
+Interpreters built without USDT (pyenv, python.org builds, most venvs) are
+traced for GC only: the collector's core function, found by name in the
+symbol table of the executable or libpython the process maps (gc_collect_main
+in CPython 3.10-3.13, else _PyGC_Collect, which holds the collection itself
+from 3.14), gets the same two BPF programs as the USDT probes: py_gc_start
+as a uprobe at its entry, py_gc_done as a uretprobe at its return. Both USDT
+probes sit inside that function, so the count and time are the same up to
+its few instructions before and after them (and a rare early return when
+another thread is already collecting, counted as a very short collection).
+The return probe is safe (RETURN_PROBES): the collector is CPython C code,
+its errors are return values, and nothing unwinds through it (a C++
+extension must stop its exceptions at its own boundary; pybind11 and torch
+turn them into Python exceptions there), so the replaced return address is
+always reached. Such a pid has no "functions" family: `gc_only[pid]` says
+why (and it is logged). A stripped interpreter without USDT has neither: it
+is refused (`add_pid` returns False and `unavailable[pid]` names both).
 
 How the probes are attached: CPython guards each probe with a USDT semaphore,
 so a process whose semaphore is 0 skips the probe site entirely. bcc 0.26
@@ -20,7 +35,8 @@ nothing.
 
 bcc only generates the USDT argument readers (which registers hold the file
 and function name); they are generated once per interpreter binary from a
-short-lived USDT context whose semaphore increment it undoes on close.
+short-lived USDT context whose semaphore increment it undoes on close. A
+GC-only interpreter's program is compiled without them (-DGC_ONLY).
 
 BPF side: bpf/python.bpf.c aggregates per (pid, function) in maps (see there);
 `sample()` diffs the cumulative counters. Rows: python.calls and
@@ -30,16 +46,20 @@ python.lost_events. Inclusive time of a recursive function counts each level.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
+import struct
 import time
 
 from fleetscope.wire import Batch
+from fleetscope.producers.tracers.discovery import host_path, mapped_objects
 from fleetscope.producers.tracers.duty import DutyClock
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
 from fleetscope.producers.tracers.linked import LinkedFamilyTracer
 from fleetscope.producers.tracers.rows import diff, metric_batch
+from fleetscope.producers.tracers.symbols import parse_elf
 from fleetscope.producers.tracers.uprobes import Link, LinkSet, check_host, file_offset, load_multi_program
 
 log = logging.getLogger(__name__)
@@ -53,6 +73,16 @@ PREFIX_MAX, PREFIX_LEN = 8, 160  # as PY_PREFIX_MAX / PY_FILE_LEN in bpf/events.
 # reaches (CPython gh-98894, fixed for 3.15): calls are counted on return
 # there, and inclusive time (python.func_ns) cannot be measured.
 ENTRY_BROKEN = re.compile(r"python3\.(11|12|13|14)\b")
+# The collector's core, by preference: each USDT GC probe pair sits inside it. A name may carry a
+# compiler clone suffix (an LTO build's copy is still the whole function; .part/.cold pieces are not).
+COLLECTORS = ("gc_collect_main", "_PyGC_Collect")
+_CLONE = r"(?:\.(?:lto_priv|constprop|isra)\.\d+)*"
+LIBPYTHON = re.compile(r"/libpython3[^/]*\.so[.\d]*$")
+PYTHON_EXE = re.compile(r"/python[^/]*$")  # an executable searched for the collector (a static build holds it)
+
+
+class UsdtMissing(TracerUnavailable):
+    """The interpreter was built without the USDT probes."""
 
 
 def python_probes(pid: int) -> tuple[str, dict[str, tuple[int, int]], str]:
@@ -69,7 +99,7 @@ def python_probes(pid: int) -> tuple[str, dict[str, tuple[int, int]], str]:
     needed = [name for probes in FAMILY_PROBES.values() for name, _ in probes]
     missing = [n for n in needed if n not in found]
     if missing:
-        raise TracerUnavailable(
+        raise UsdtMissing(
             f"the Python interpreter of pid {pid} ({exe}) has no USDT probe(s) python:{', python:'.join(missing)}: "
             "it was built without --with-dtrace (pyenv and python.org builds usually are). Run the job "
             "with an interpreter that has them (e.g. Debian/Ubuntu /usr/bin/python3; check with "
@@ -85,6 +115,46 @@ def python_probes(pid: int) -> tuple[str, dict[str, tuple[int, int]], str]:
     text = ctx.get_text()
     del ctx  # bcc lowers the semaphores again when the context closes
     return path, offsets, text
+
+
+@functools.lru_cache(maxsize=32)
+def _collector_in(path: str, inode: int, mtime_ns: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(file offsets, symbol names) of the preferred collector function defined in an object; ((), ())
+    if it defines none. Cached per file version: the ranks of a job share one libpython."""
+    with open(path, "rb") as f:
+        elf = parse_elf(f.read())
+    for name in COLLECTORS:
+        rx = re.compile(re.escape(name) + _CLONE)
+        found = {a: n for n, a in zip(elf.names, elf.starts) if rx.fullmatch(n)}
+        if found:
+            return tuple(file_offset(path, a) for a in found), tuple(found.values())
+    return (), ()
+
+
+def gc_collector(pid: int) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+    """(host path of the object, file offsets, symbols) of the GC collector in a process's interpreter:
+    a mapped libpython, or its executable if that is named python*. Only those are read (whole): a process
+    that is not Python costs nothing. Raises LookupError, naming the objects searched, if none has it."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError as e:
+        raise LookupError(f"pid {pid} is gone ({e})") from e
+    searched = []
+    for obj in mapped_objects(pid):
+        if not LIBPYTHON.search(obj) and not (obj == exe and PYTHON_EXE.search(obj)):
+            continue
+        path = host_path(pid, obj)
+        searched.append(obj)
+        try:
+            st = os.stat(path)
+            offsets, names = _collector_in(path, st.st_ino, st.st_mtime_ns)
+        except (OSError, ValueError, struct.error, IndexError) as e:
+            log.debug("python tracer: cannot read the symbols of %s (pid %d): %s", obj, pid, e)
+            continue
+        if offsets:
+            return path, offsets, names
+    where = ", ".join(searched) or "no python* executable or libpython"
+    raise LookupError(f"no symbol {' or '.join(COLLECTORS)} in {where} (stripped?)")
 
 
 def module_name(path: str) -> str:
@@ -110,9 +180,12 @@ class PythonTracer(LinkedFamilyTracer):
     # attaching compiles a USDT program per process (seconds on a busy node): the manager attaches the quick
     # uprobe tracers first, so a rank's torch and CUDA probes never wait behind it
     SLOW_ATTACH = True
-    # none: function__return and gc__done are USDT probes inside the interpreter, plain uprobes that
-    # replace no return address
-    RETURN_PROBES: dict[str, str] = {}
+    # function__return and gc__done are USDT probes inside the interpreter, plain uprobes that replace no
+    # return address. Without USDT, the collector's return is a uretprobe (see the module docstring).
+    RETURN_PROBES: dict[str, str] = {
+        "(?:" + "|".join(map(re.escape, COLLECTORS)) + ")" + _CLONE:
+            "CPython's C collector: its errors are return values and no exception unwinds through it "
+            "(C++ extensions stop theirs at their own boundary), so the replaced return address is reached"}
 
     def __init__(self, host: str, resolver=None, prefixes: tuple[str, ...] = ()):
         """`prefixes`: count only functions whose source file starts with one of these (none: all)."""
@@ -121,8 +194,10 @@ class PythonTracer(LinkedFamilyTracer):
             raise ValueError(f"at most {PREFIX_MAX} file prefixes of at most {PREFIX_LEN} bytes")
         self.host, self.resolver, self.prefixes = host, resolver, tuple(prefixes)
         self.programs: dict[str, object] = {}        # interpreter object path -> BPF
-        self.pids: dict[int, tuple[str, dict, bool]] = {}  # pid -> (object path, probe offsets, entry fires)
+        # pid -> (object path, {probe: offsets}, entry fires, collector symbols: () unless GC-only)
+        self.pids: dict[int, tuple[str, dict, bool, tuple[str, ...]]] = {}
         self.unavailable: dict[int, str] = {}        # pid -> why it is not traced
+        self.gc_only: dict[int, str] = {}            # pid -> why only its GC is traced (no USDT)
         self.enabled = dict.fromkeys(FAMILIES, True)
         self.links = LinkSet(self.RETURN_PROBES)     # (pid, family) -> uprobe_multi links
         self._progs: dict[tuple[str, str], int] = {}  # (object path, BPF function) -> program fd
@@ -136,21 +211,29 @@ class PythonTracer(LinkedFamilyTracer):
         if pid in self.pids:
             return True
         try:
-            path, offsets, text = python_probes(pid)
+            try:
+                path, offsets, text = python_probes(pid)
+                self.pids[pid] = (path, offsets, not ENTRY_BROKEN.search(os.path.basename(path)), ())
+            except UsdtMissing as no_usdt:
+                path, text = self._gc_only(pid, no_usdt), None
             if path not in self.programs:
                 self._load(path, text)
-            self.pids[pid] = (path, offsets, not ENTRY_BROKEN.search(os.path.basename(path)))
             for fam, on in self.enabled.items():
                 if on:
                     self._attach(pid, fam)
         except (TracerUnavailable, OSError, ValueError) as e:
-            self._detach_pid(pid)
-            self.pids.pop(pid, None)
+            self.remove_pid(pid)
             self.unavailable[pid] = str(e)
             log.warning("python tracer: not tracing pid %d: %s", pid, e)
             return False
         self.unavailable.pop(pid, None)
+        if pid in self.gc_only:
+            log.warning("python tracer: pid %d: %s", pid, self.gc_only[pid])
         return True
+
+    def remove_pid(self, pid: int) -> None:
+        super().remove_pid(pid)
+        self.gc_only.pop(int(pid), None)
 
     def hits(self) -> dict[str, int]:
         out = dict.fromkeys(FAMILIES, 0)
@@ -214,11 +297,27 @@ class PythonTracer(LinkedFamilyTracer):
         return out
 
     # ---- internals ----
-    def _load(self, path: str, text: str):
-        from bcc import BPF
-        src = text + "\n" + (BPF_DIR / "python.bpf.c").read_text()
+    def _gc_only(self, pid: int, no_usdt: UsdtMissing) -> str:
+        """Record `pid` as traced for GC only, from its collector symbol; its object path.
+        Raises TracerUnavailable naming both missing ways if it has no such symbol either."""
         try:
-            bpf = BPF(text=src.encode(), cflags=[f"-I{BPF_DIR}", "-Wno-everything"])
+            path, offs, names = gc_collector(pid)
+        except LookupError as e:
+            raise TracerUnavailable(f"{no_usdt}. Nor can its GC be traced without them: {e}; neither its "
+                                    "function calls nor its GC are traced") from no_usdt
+        self.pids[pid] = (path, {"collector": offs}, False, names)
+        self.gc_only[pid] = (f"function calls are not traced: {no_usdt}. GC is traced from "
+                             f"{', '.join(sorted(set(names)))} in {path} (entry and return probes)")
+        return path
+
+    def _load(self, path: str, text: str | None):
+        """Compile bpf/python.bpf.c for one interpreter object: with bcc's USDT argument readers (`text`),
+        or with None for a GC-only interpreter (-DGC_ONLY: only the GC programs)."""
+        from bcc import BPF
+        src = (text + "\n" if text is not None else "") + (BPF_DIR / "python.bpf.c").read_text()
+        flags = [f"-I{BPF_DIR}", "-Wno-everything"] + (["-DGC_ONLY"] if text is None else [])
+        try:
+            bpf = BPF(text=src.encode(), cflags=flags)
         except Exception as e:  # bcc raises bare Exception on compile/load failure
             raise TracerUnavailable(f"loading bpf/python.bpf.c for {path} failed ({e}); check that kernel headers "
                                     f"exist at /lib/modules/{os.uname().release}/build") from e
@@ -233,7 +332,15 @@ class PythonTracer(LinkedFamilyTracer):
         return bpf
 
     def _attach(self, pid: int, family: str) -> None:
-        path, offsets, entry_fires = self.pids[pid]
+        path, offsets, entry_fires, collector = self.pids[pid]
+        if collector:  # GC-only: the collector's entry (gc__start) and return (gc__done), no function probes
+            if family == "gc":
+                start, done = (self._prog(path, fn) for _, fn in FAMILY_PROBES["gc"])
+                offs = offsets["collector"]
+                self.links.attach((pid, family), [
+                    Link(start, path, offs, (0,) * len(offs)),
+                    Link(done, path, offs, (0,) * len(offs), retprobe=True, symbols=collector)], pid)
+            return
         links = []
         for probe, fn in FAMILY_PROBES[family]:
             if probe == "function__entry" and not entry_fires:
