@@ -119,11 +119,11 @@ def test_duty_cycling_detaches_and_reports_sample_frac(tracer, spawn, tmp_path):
     assert tracer.families() == {"functions": "expensive", "gc": "always"}
 
 
-def test_interpreter_without_usdt_is_refused_with_the_reason(tracer, spawn, tmp_path):
-    p = spawn(tmp_path / "never", python=sys.executable)  # the venv's pyenv build: no USDT
+def test_interpreter_without_usdt_is_traced_for_gc_only_with_the_reason(tracer, spawn, tmp_path):
+    p = spawn(tmp_path / "never", python=sys.executable)  # the venv's pyenv build: no USDT, symbols kept
     time.sleep(0.3)
-    assert tracer.add_pid(p.pid) is False
-    why = tracer.unavailable[p.pid]
+    assert tracer.add_pid(p.pid) is True   # GC from the collector's symbol (tests/test_python_gc_without_usdt.py)
+    why = tracer.gc_only[p.pid]
     assert "no USDT probe" in why and "--with-dtrace" in why and str(p.pid) in why
 
 
