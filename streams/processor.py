@@ -608,8 +608,12 @@ class StreamProcessor:
             self.finish_flush(job, ok)
 
     def close(self) -> None:
-        """Checkpoint every model now (at stop): a restarted worker resumes from here."""
+        """Checkpoint every model now (at stop): a restarted worker resumes from here. Not through a producer that
+        failed for good (fatal_error): the send could only fail, and the last periodic checkpoint stands."""
         if self.scorer is None or not self.scorer.models:
+            return
+        if self.fatal_error is not None:
+            log.warning("no final model checkpoint: %s; the last periodic one stands", self.fatal_error)
             return
         self.outbox.take()
         self.scorer.checkpoint(force=True)

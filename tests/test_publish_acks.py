@@ -278,5 +278,7 @@ def test_a_producer_that_failed_for_good_stops_the_worker_instead_of_resending_f
             time.sleep(0.02)
         assert producer.sent == sent
         assert w.acked == acked_before
+        w.proc.close()   # the worker's stop: no final checkpoint through the failed producer, and no error
+        assert producer.sent == sent
     finally:
         w.close()
