@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleetscope.eval.gpu_stub.batches import index, rows as batch_rows
+from fleetscope.eval.workloads import py_calls
 from fleetscope.producers.tracers.python_sampler import is_python, parse_raw
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="py-spy reads another process's memory: needs root")
@@ -42,31 +43,12 @@ def sampler():
     s.close()
 
 
-SPIN = """
-def leaf(x):
-    return x + 1
-
-
-def middle(x):
-    return leaf(leaf(x))
-
-
-def run():
-    total = 0
-    while True:  # never sleeps or waits: a sample that finds the thread running (or runnable) finds it in run()
-        total = middle(total) % 1000
-
-
-run()
-"""
-
-
 def _loop(python: str, tmp_path: Path) -> subprocess.Popen:
-    """A Python process spinning in spin:run -> middle -> leaf. It never sleeps: on a loaded machine a thread that
-    sleeps and wakes waits for a CPU outside the function it woke into, which would move the shares."""
-    script = tmp_path / "spin.py"
-    script.write_text(SPIN)
-    proc = subprocess.Popen([python, str(script)])
+    """A Python process spinning in py_calls:spin -> middle -> leaf. It never sleeps: on a loaded machine a thread
+    that sleeps and wakes waits for a CPU outside the function it woke into, which would move the shares."""
+    go = tmp_path / "go"
+    go.touch()
+    proc = subprocess.Popen([python, py_calls.__file__, str(go), "spin"])
     # in its loop before it is sampled: on a loaded machine the interpreter's start-up (imports, not run())
     # can fill a whole first window; 0.3 s of CPU is far past start-up (about 0.05 s)
     deadline = time.monotonic() + 60
@@ -100,10 +82,10 @@ def test_a_python_process_is_sampled_per_window_with_its_top_functions(sampler, 
                 if rows[("python.samples", "all")] >= 10:
                     got = batch
             time.sleep(0.1)
-        # the loop spends all its time in run(); <module> is under every stack (a --nonblocking read may miss a frame)
-        assert rows[("python.sample_share", "spin:<module>")] >= rows[("python.sample_share", "spin:run")] >= 0.5
+        # the loop spends all its time in spin(); <module> is under every stack (a --nonblocking read may miss a frame)
+        assert rows[("python.sample_share", "py_calls:<module>")] >= rows[("python.sample_share", "py_calls:spin")] >= 0.5
         top_self = max((v, d) for (m, d), v in rows.items() if m == "python.sample_self_share")
-        assert top_self[1] in ("spin:run", "spin:middle", "spin:leaf"), top_self
+        assert top_self[1] in ("py_calls:spin", "py_calls:middle", "py_calls:leaf"), top_self
         assert {r["pid"] for r in batch_rows(got)} == {p.pid}
         assert p.pid in sampler.pids  # the next window runs
     finally:

@@ -4,7 +4,8 @@ Waits for a go-file (argv[1]) to appear, so the tracer can attach first;
 then calls leaf() LEAF_CALLS times (each through middle(), which calls it
 twice), runs gc.collect() GC_CALLS times, writes argv[1] + ".done" and
 sleeps (argv[2] seconds, default 30) so the tracer can sample before exit.
-With argv[2] == "loop" it repeats run() until killed.
+With argv[2] == "loop" it repeats run() until killed; with "spin" it spins in
+spin() until killed, never sleeping (a sampler finds it there, running or runnable).
 """
 import gc
 import os
@@ -32,10 +33,18 @@ def run():
     return total
 
 
+def spin():
+    total = 0
+    while True:  # never sleeps or waits: on a loaded machine it waits for a CPU inside spin(), not elsewhere
+        total = middle(total) % 1000
+
+
 if __name__ == "__main__":
     go = sys.argv[1]
     while not os.path.exists(go):
         time.sleep(0.01)
+    if sys.argv[2:3] == ["spin"]:  # until killed
+        spin()
     if sys.argv[2:3] == ["loop"]:  # until killed
         while True:
             run()
