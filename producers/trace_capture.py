@@ -13,6 +13,17 @@ a rank it hosts, that rank's window of them on `<prefix>.traces` (fleetscope/tra
   from before the agent started have no records here). An anomaly whose host is this agent's is captured once
   its window's end plus the margin (one window) and a sample interval have passed, so the ticks that carry
   those calls have run.
+- The same listener reads live capture requests on `<prefix>.control` (fleetscope/capture_request.py, from
+  `fleetscope trace --live`), also from the ends. A valid one, checked against `trace_request_max_s`, is cut
+  into pieces of at most half the ring's keep time (so the ring still holds a piece when it is due); each is
+  due at its end plus the settle time, and then each rank of the job this host holds calls of in that piece
+  gets a `<prefix>.traces` capture exactly like an anomaly's (window_start_ns/window_end_ns = the piece). A
+  job without ranks here publishes nothing. The trace message has no field for the request id (its schema is
+  closed), so captures carry the piece, not the request. Invalid requests are logged and counted
+  (`capture_requests_invalid`), valid ones counted (`capture_requests`).
+- Detail mode is compiled into the tracers' BPF (DETAIL) and is on for the agent's whole run while
+  trace_capture_s > 0; a request cannot switch it on at runtime, so an agent without capture has no listener
+  and answers no request.
 - Nothing here may harm the agent: every failure is logged and counted (`capture_errors`,
   `capture_publish_errors`), never raised into the tick.
 """
@@ -24,13 +35,15 @@ import threading
 import time
 from collections import OrderedDict, deque
 
+from fleetscope.capture_request import CaptureRequest, CaptureRequestError, parse_request
 from fleetscope.kafka_settings import client_conf
 from fleetscope.trace_message import TRACE_SCHEMA, call_of, trace_messages
 from fleetscope.producers.tracers.rows import identity
 
 log = logging.getLogger(__name__)
 ANOMALY_SCHEMA = "anomaly/1"  # the fs-schema of <prefix>.anomalies (streams/derived_codec.py)
-SEEN_MAX = 4096  # anomalies remembered, so a replayed one is not captured twice
+SEEN_MAX = 4096  # anomalies and requests remembered, so a replayed one is not captured twice
+REQUESTS_MAX = 64  # live requests in progress at once; more are refused (counted invalid)
 
 
 class CallRing:
@@ -67,6 +80,16 @@ class CallRing:
             found = [c for ts, k, c in self._calls if k == key and from_ns <= ts <= to_ns]
         return sorted(found, key=lambda c: c["ts_ns"])
 
+    def windows(self, match, from_ns: int, to_ns: int) -> dict[tuple, list[dict]]:
+        """The calls that start in [from_ns, to_ns] of every key for which `match(key)` holds, by key and start."""
+        with self._lock:
+            self._expire()
+            found: dict[tuple, list[dict]] = {}
+            for ts, k, c in self._calls:
+                if from_ns <= ts <= to_ns and match(k):
+                    found.setdefault(k, []).append(c)
+        return {k: sorted(calls, key=lambda c: c["ts_ns"]) for k, calls in found.items()}
+
     def __len__(self) -> int:
         return len(self._calls)
 
@@ -85,20 +108,24 @@ class TraceCapture:
         self.margin_ns = int(cfg.window_s * 1e9)
         self.window_ns = int(cfg.window_s * 1e9)
         self.settle_ns = int(2 * cfg.sample_interval_s * 1e9)  # the tick after the span's end, or the one after
+        self.piece_ns = max(self.ring.keep_ns // 2, 1)  # a live request's pieces: the ring still holds one when due
         self.topic_in, self.topic_out = cfg.topic("anomalies"), cfg.topic("traces")
+        self.topic_control = cfg.topic("control")
         self.consumer = Consumer(client_conf(cfg, bootstrap, **{
             "group.id": f"{cfg.consumer_group}-capture-{cfg.host}", "enable.auto.commit": False,
             "fetch.wait.max.ms": 100, "client.id": "fleetscope-capture"}))
         self.producer = Producer(client_conf(cfg, bootstrap, **{
             "acks": "all", "client.id": "fleetscope-capture", "message.max.bytes": cfg.kafka_message_max_bytes}))
-        self.ready = threading.Event()  # set once the listener reads the anomalies topic from its ends
+        self.ready = threading.Event()  # set once the listener reads the anomalies and control topics from their ends
         self._stop = threading.Event()
         self._pending: list[tuple[int, tuple, dict]] = []  # (due wall ns, key, head) of anomalies to capture
+        self._requests: list[list] = []  # [next piece's start ns, request] of live requests in progress
         self._seen: OrderedDict = OrderedDict()
         self._known: dict[int, tuple[tuple, int]] = {}  # pid -> ((tenant, job, rank), last seen wall ns)
         self._thread = threading.Thread(target=self._listen, name="trace-capture", daemon=True)
         self.unranked = self.anomalies = self.published = self.calls_published = self.empty = 0
         self.errors = self.publish_errors = 0
+        self.requests = self.requests_invalid = self.request_pieces = 0
 
     def start(self) -> "TraceCapture":
         self._thread.start()
@@ -139,7 +166,8 @@ class TraceCapture:
                 "capture_unranked": self.unranked, "capture_anomalies": self.anomalies,
                 "capture_published": self.published, "capture_calls_published": self.calls_published,
                 "capture_empty": self.empty, "capture_errors": self.errors,
-                "capture_publish_errors": self.publish_errors}
+                "capture_publish_errors": self.publish_errors, "capture_requests": self.requests,
+                "capture_requests_invalid": self.requests_invalid, "capture_request_pieces": self.request_pieces}
 
     # ---- the listener ------------------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -153,7 +181,10 @@ class TraceCapture:
             try:
                 msg = self.consumer.poll(0.2)
                 if msg is not None and msg.error() is None:
-                    self.on_anomaly(msg.value(), dict(msg.headers() or ()))
+                    if msg.topic() == self.topic_control:
+                        self.on_request(msg.value(), dict(msg.headers() or ()))
+                    else:
+                        self.on_anomaly(msg.value(), dict(msg.headers() or ()))
                 self.capture_due()
                 self.producer.poll(0)
             except Exception:
@@ -162,13 +193,14 @@ class TraceCapture:
 
     def _assign_at_ends(self) -> None:
         from confluent_kafka import TopicPartition
-        meta = self.consumer.list_topics(self.topic_in, timeout=5.0).topics.get(self.topic_in)
-        if meta is None or meta.error is not None or not meta.partitions:
-            raise RuntimeError(f"topic {self.topic_in} is not there yet")
         parts = []
-        for p in sorted(meta.partitions):
-            _, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic_in, p), timeout=5.0)
-            parts.append(TopicPartition(self.topic_in, p, high))
+        for topic in (self.topic_in, self.topic_control):
+            meta = self.consumer.list_topics(topic, timeout=5.0).topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                raise RuntimeError(f"topic {topic} is not there yet")
+            for p in sorted(meta.partitions):
+                _, high = self.consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5.0)
+                parts.append(TopicPartition(topic, p, high))
         self.consumer.assign(parts)
         self.ready.set()
 
@@ -182,16 +214,45 @@ class TraceCapture:
             return  # another node's rank
         key = (a["tenant"], a["job"], int(a["rank"]))
         start = int(a["window_start_ns"])
-        if (key, start) in self._seen:
+        if not self._remember((key, start)):
             return
-        self._seen[(key, start)] = None
-        if len(self._seen) > SEEN_MAX:
-            self._seen.popitem(last=False)
         self.anomalies += 1
         end = start + self.window_ns
         head = {"tenant": key[0], "job": key[1], "host": self.cfg.host, "rank": key[2], "window_start_ns": start,
                 "window_end_ns": end, "from_ns": start - self.margin_ns, "to_ns": end + self.margin_ns}
         self._pending.append((head["to_ns"] + self.settle_ns, key, head))
+
+    def _remember(self, seen) -> bool:
+        """False if `seen` was handled already (a replay); else remember it (the newest SEEN_MAX)."""
+        if seen in self._seen:
+            return False
+        self._seen[seen] = None
+        if len(self._seen) > SEEN_MAX:
+            self._seen.popitem(last=False)
+        return True
+
+    def on_request(self, value: bytes, headers: dict) -> None:
+        """A live capture request: scheduled piece by piece if valid, else logged and counted; never raises."""
+        try:
+            req = parse_request(value, headers, self.cfg.trace_request_max_s)
+            if len(self._requests) >= REQUESTS_MAX:
+                raise CaptureRequestError(f"{REQUESTS_MAX} requests are in progress already")
+        except CaptureRequestError as exc:
+            self.requests_invalid += 1
+            if self.requests_invalid <= 3 or self.requests_invalid % 100 == 0:
+                log.warning("an invalid capture request on %s: %s (%d so far)", self.topic_control, exc,
+                            self.requests_invalid)
+            return
+        if not self._remember(("request", req.request_id)):
+            return
+        self.requests += 1
+        self._requests.append([req.from_ns, req])
+        log.info("capture request %s: job %s%s over %.1f s; ranks here now: %s", req.request_id, req.job,
+                 "" if req.rank < 0 else f" rank {req.rank}", (req.to_ns - req.from_ns) / 1e9,
+                 sorted({k[2] for k in self._known_keys() if req.matches(k)}) or "none")
+
+    def _known_keys(self) -> set[tuple]:
+        return {kn[0] for kn in list(self._known.values())}
 
     def capture_due(self, force: bool = False) -> None:
         now = self.clock_ns()
@@ -202,12 +263,37 @@ class TraceCapture:
             if not calls:
                 self.empty += 1
                 continue
-            for k, v in trace_messages(head, calls, self.cfg.kafka_message_max_bytes):
-                self.producer.produce(self.topic_out, value=v, key=k, headers=[("fs-schema", TRACE_SCHEMA.encode())],
-                                      on_delivery=self._delivered)
-            self.calls_published += len(calls)
+            self._publish(head, calls)
             log.info("captured %d calls of %s rank %d around its anomaly at %d", len(calls), key[1], key[2],
                      head["window_start_ns"])
+        self._requests_due(now, force)
+
+    def _requests_due(self, now: int, force: bool) -> None:
+        """Each live request's pieces that are due (at stop: those begun), captured for the ranks held here."""
+        for entry in self._requests:
+            start, req = entry
+            while start <= req.to_ns:
+                end = min(start + self.piece_ns - 1, req.to_ns)
+                if not (end + self.settle_ns <= now or (force and start <= now)):
+                    break
+                self._capture_piece(req, start, end)
+                start = entry[0] = end + 1
+        self._requests = [e for e in self._requests if e[0] <= e[1].to_ns and not (force and e[0] > now)]
+
+    def _capture_piece(self, req: CaptureRequest, start: int, end: int) -> None:
+        for key, calls in sorted(self.ring.windows(req.matches, start, end).items()):
+            head = {"tenant": key[0], "job": key[1], "host": self.cfg.host, "rank": key[2], "window_start_ns": start,
+                    "window_end_ns": end, "from_ns": start, "to_ns": end}
+            self._publish(head, calls)
+            self.request_pieces += 1
+            log.info("captured %d calls of %s rank %d in [%d, %d] for request %s", len(calls), key[1], key[2],
+                     start, end, req.request_id)
+
+    def _publish(self, head: dict, calls: list[dict]) -> None:
+        for k, v in trace_messages(head, calls, self.cfg.kafka_message_max_bytes):
+            self.producer.produce(self.topic_out, value=v, key=k, headers=[("fs-schema", TRACE_SCHEMA.encode())],
+                                  on_delivery=self._delivered)
+        self.calls_published += len(calls)
 
     def _delivered(self, err, msg) -> None:
         if err is None:

@@ -154,6 +154,9 @@ class Config:
     # on an anomaly of a rank it hosts publishes that rank's window (± one window) to <prefix>.traces. 0: off.
     trace_capture_s: float = 0.0
     trace_capture_max_records: int = 100_000
+    # Live capture requests (`fleetscope trace --live`, <prefix>.control): the longest span one may ask for, in
+    # seconds. The command refuses longer ones, and an agent counts them invalid (capture_requests_invalid).
+    trace_request_max_s: float = 300.0
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}.{name}"
@@ -183,6 +186,8 @@ class Config:
             raise ConfigError("trace_duty_period_s must be >= 0.2 s and trace_poll_s > 0")
         if self.trace_capture_s < 0 or self.trace_capture_max_records < 1:
             raise ConfigError("trace_capture_s must be >= 0 (0: off) and trace_capture_max_records >= 1")
+        if self.trace_request_max_s <= 0:
+            raise ConfigError(f"trace_request_max_s={self.trace_request_max_s}: must be > 0 seconds")
         for name in ("metrics_port", "sink_metrics_port"):
             if not -1 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be -1 (off), 0 (any free port) or a TCP port")
@@ -234,6 +239,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",
     "FLEETSCOPE_TRACE_HIT_COST_NS": "trace_hit_cost_ns", "FLEETSCOPE_TRACE_PYTHON_PREFIXES": "trace_python_prefixes",
     "FLEETSCOPE_TRACE_CAPTURE_S": "trace_capture_s", "FLEETSCOPE_TRACE_CAPTURE_MAX_RECORDS": "trace_capture_max_records",
+    "FLEETSCOPE_TRACE_REQUEST_MAX_S": "trace_request_max_s",
     "FLEETSCOPE_SPOOL_MAX_BATCHES": "spool_max_batches", "FLEETSCOPE_SPOOL_MAX_BYTES": "spool_max_bytes",
     "FLEETSCOPE_SPOOL_DIR": "spool_dir", "FLEETSCOPE_SPOOL_DIR_MAX_BYTES": "spool_dir_max_bytes",
     "FLEETSCOPE_KAFKA_MESSAGE_MAX_BYTES": "kafka_message_max_bytes",

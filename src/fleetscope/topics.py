@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 # Every source the schema knows has its raw topic: a new source cannot be published without one.
 RAW_SOURCES = tuple(SOURCE_COLUMNS)
 # traces: per-call records the agents capture around anomalies (JSON, fleetscope/trace_message.py)
-DERIVED = ("features", "scores", "anomalies", "diagnoses", "dlq", "traces")
+# control: live capture requests to the agents (`fleetscope trace --live`; JSON, fleetscope/capture_request.py)
+DERIVED = ("features", "scores", "anomalies", "diagnoses", "dlq", "traces", "control")
 MODEL_STATE = "model-state"  # compacted, keyed by tenant/job: the latest state of each job wins
 TOPIC_CONFIG = {MODEL_STATE: {"cleanup.policy": "compact"}}
 BROKER_DEFAULT_REPLICATION = -1  # CreateTopics with -1 takes the broker's default.replication.factor (KIP-464)

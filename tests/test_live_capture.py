@@ -1,0 +1,255 @@
+"""Live capture requests (fleetscope/capture_request.py, `<prefix>.control`): the message's checks, and end to
+end as tests/test_trace_capture.py does it for anomalies: the real CUDA tracer in detail mode on a stand-in rank
+(src/fleetscope/eval/gpu_stub), the real TracerManager and TraceCapture on the embedded broker, a request
+published as `fleetscope trace --live` publishes it, `<prefix>.traces` read back in pieces, the real sink
+storing them in chDB's trace_events; and `fleetscope trace --live` itself, reading the store through the query
+endpoint while the test runs the agent's ticks and the sink."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import replace
+from importlib.resources import files
+
+import jsonschema
+import pytest
+from confluent_kafka import Producer
+
+from fleetscope.capture_request import (CAPTURE_REQUEST_SCHEMA, CaptureRequest, CaptureRequestError, build_request,
+                                        check_request, parse_request, publish_request)
+from fleetscope.cli.trace import LIVE_GRACE_S, wait_for_calls
+from fleetscope.producers.agent import identity_rules
+from fleetscope.producers.identity import IdentityResolver
+from fleetscope.producers.trace_capture import TraceCapture
+from fleetscope.producers.tracers.manager import TracerManager
+from fleetscope.store import QueryEndpoint, open_store
+from support import gpu_fixtures as fixtures
+from support.subscribed_sink import subscribed_sink
+from test_trace_capture import read_traces, tracer_cls  # noqa: F401 (a fixture)
+
+make, stubs = fixtures.make, fixtures.stubs
+NOW = 1_800_000_000_000_000_000
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
+
+
+def fields(**kw) -> dict:
+    return {"request_id": "r1", "tenant": "", "job": "train", "rank": -1, "from_ns": NOW, "to_ns": NOW + 10**9,
+            "requested_at_ns": NOW, **kw}
+
+
+def test_a_built_request_round_trips_and_meets_its_json_schema():
+    req = build_request("train", 2.5, max_s=300, tenant="acme", rank=3, now_ns=NOW)
+    assert (req.from_ns, req.to_ns, req.requested_at_ns, req.rank) == (NOW, NOW + 2_500_000_000, NOW, 3)
+    key, value, headers = req.message()
+    assert key == b"acme/train" and headers == [("fs-schema", CAPTURE_REQUEST_SCHEMA.encode())]
+    schema = json.loads(files("fleetscope.schemas").joinpath("capture_request.schema.json").read_text())
+    jsonschema.validate(json.loads(value), schema)
+    assert parse_request(value, dict(headers), max_s=300) == req
+    assert req.matches(("acme", "train", 3)) and not req.matches(("acme", "train", 2))
+    assert not req.matches(("other", "train", 3)) and not req.matches(("acme", "eval", 3))
+    anyone = check_request(fields(), max_s=300)
+    assert anyone.matches(("t1", "train", 0)) and anyone.matches(("t2", "train", 7))
+
+
+@pytest.mark.parametrize("bad, says", [
+    (fields(extra=1), "unknown fields ['extra']"),
+    ({k: v for k, v in fields().items() if k != "job"}, "missing fields ['job']"),
+    (fields(to_ns=NOW), "must be after from_ns"),
+    (fields(to_ns=NOW - 1), "must be after from_ns"),
+    (fields(to_ns=NOW + 301 * 10**9), "longer than trace_request_max_s=300"),
+    (fields(rank=True), "rank=True: must be an integer"),
+    (fields(from_ns="1"), "from_ns='1': must be an integer"),
+    (fields(rank=-2), "rank=-2"),
+    (fields(job=""), "must not be empty"),
+    ([1, 2], "is a JSON object"),
+])
+def test_an_invalid_request_says_what_is_wrong(bad, says):
+    with pytest.raises(CaptureRequestError) as err:
+        check_request(bad, max_s=300)
+    assert says in str(err.value)
+
+
+def test_a_message_of_another_schema_or_not_json_is_refused_and_the_builder_bounds_the_span():
+    value = json.dumps(fields()).encode()
+    with pytest.raises(CaptureRequestError, match="fs-schema 'anomaly/1'"):
+        parse_request(value, {"fs-schema": b"anomaly/1"}, max_s=300)
+    with pytest.raises(CaptureRequestError, match="not JSON"):
+        parse_request(b"{nope", {"fs-schema": CAPTURE_REQUEST_SCHEMA.encode()}, max_s=300)
+    with pytest.raises(CaptureRequestError, match="longer than trace_request_max_s=60"):
+        build_request("train", 61, max_s=60)
+
+
+def test_the_command_refuses_a_span_over_the_maximum_and_an_anomaly(tmp_path):
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_KAFKA": "127.0.0.1:1",
+           "FLEETSCOPE_TRACE_REQUEST_MAX_S": "10"}
+    for args, says in ((["--job", "train", "--seconds", "11"], "longer than trace_request_max_s=10"),
+                       (["--anomaly", "t/j/0/1"], "--live takes --job")):
+        run = subprocess.run([sys.executable, "-m", "fleetscope", "trace", *args, "--live", "--out",
+                              str(tmp_path / "t.json")], env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and says in run.stderr, run.stderr
+
+
+def test_waiting_for_calls_ends_at_its_deadline_on_a_store_without_them(store):
+    now = [NOW]
+    slept: list[float] = []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += int(s * 1e9)
+
+    params = {"job": "nobody", "tenant": "", "rank": -1, "since_ns": NOW, "until_ns": NOW + 10**9}
+    assert wait_for_calls(store, params, NOW + 10**9, clock_ns=lambda: now[0], sleep=sleep) == 0
+    assert now[0] >= NOW + 10**9 + LIVE_GRACE_S * 1e9  # it waited for the span to settle, then the grace
+    assert now[0] <= NOW + 10**9 + (LIVE_GRACE_S + 1) * 1e9 and max(slept) <= 0.5
+
+
+def capturing_agent(make_tracer, cfg, bootstrap):
+    """(tracer, manager, capture): the CUDA tracer in detail mode, the agent's manager (not started: the test
+    ticks it) handing its records to a started capture that reads the anomalies and control topics."""
+    tracer = make_tracer(detail=True)
+    manager = TracerManager(cfg, tracers={"cuda": tracer}, hit_cost_ns=6000.0)
+    capture = TraceCapture(cfg, bootstrap, IdentityResolver(identity_rules(cfg), host=cfg.host)).start()
+    manager.on_records = capture.add_records  # as TracingSource hands it over on the agent's tick
+    deadline = time.monotonic() + 30
+    while not capture.ready.is_set():
+        assert time.monotonic() < deadline, "the capture never read the anomalies and control topics"
+        time.sleep(0.05)
+    return tracer, manager, capture
+
+
+def start_rank(make_workload, tracer, job: str, rank: int, iters: int):
+    """A stand-in rank that sleeps 4 ms in every cudaStreamSynchronize, traced and released."""
+    w = make_workload("cuda", iters, 0, late_load=True, env={
+        "GPU_STUB_DELAY_US": "cudaStreamSynchronize=4000", "FLEETSCOPE_JOB": job, "RANK": str(rank)})
+    w.load()
+    w.loaded()
+    assert tracer.add_pid(w.pid) is True
+    w.go()
+    return w
+
+
+def drain_into_store(cfg, bootstrap: str, want: int) -> list[dict]:
+    store = open_store(cfg.data_dir, clickhouse_url=None, prefer_endpoint=False)
+    try:
+        store.migrate()
+        sink = subscribed_sink(cfg, store, bootstrap)
+        deadline, stored = time.monotonic() + 60, 0
+        while stored < want and time.monotonic() < deadline:
+            sink.step(0.5)
+            stored = int(store.query("SELECT count() AS n FROM trace_events").as_dicts()[0]["n"])
+        sink.consumer.close()
+        return store.query("SELECT tenant, job, host, rank, pid, tid, api, toUnixTimestamp64Nano(ts) AS ts_ns, dur_ns,"
+                           " toUnixTimestamp64Milli(window_start) AS w_ms FROM trace_events FINAL").as_dicts()
+    finally:
+        store.close()
+
+
+@needs_root
+def test_a_request_publishes_the_jobs_calls_in_pieces_which_the_sink_stores(make, pipeline_cfg, broker):
+    # ring of 3 s: pieces of at most 1.5 s; a 3.2 s span is 3 pieces (1.5, 1.5, 0.2 s)
+    cfg = replace(pipeline_cfg, kafka=broker.bootstrap, trace_capture_s=3.0, window_s=0.2, sample_interval_s=0.1,
+                  trace_request_max_s=5.0)
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    make_tracer, make_workload = make
+    tracer, manager, capture = capturing_agent(make_tracer, cfg, broker.bootstrap)
+    try:
+        w = start_rank(make_workload, tracer, job, 0, iters=1500)  # about 6 s of 4 ms syncs
+        seen: list[dict] = []
+
+        def tick():
+            manager.sample(time.time_ns())
+            seen.extend(tracer.records)
+            time.sleep(cfg.sample_interval_s)
+
+        for _ in range(3):
+            tick()
+        req = build_request(job, 3.2, cfg.trace_request_max_s)
+        publish_request(cfg, broker.bootstrap, req)  # as `fleetscope trace --live` does
+        publish_request(cfg, broker.bootstrap, build_request("not-here", 1.0, cfg.trace_request_max_s))
+        producer = Producer({"bootstrap.servers": broker.bootstrap})
+        too_long = CaptureRequest("r-long", "", job, -1, req.from_ns, req.from_ns + 6 * 10**9, req.from_ns)
+        key, value, headers = too_long.message()  # the class builds it unchecked, as another sender might
+        producer.produce(cfg.topic("control"), value=value, key=key, headers=headers)
+        producer.produce(cfg.topic("control"), value=b"{nope", key=key, headers=headers)
+        assert producer.flush(10) == 0
+        deadline = time.monotonic() + 60
+        while capture.request_pieces < 3 or capture.requests + capture.requests_invalid < 4:
+            assert time.monotonic() < deadline, capture.stats()
+            tick()
+        assert w.proc.poll() is None, "the rank ended before the span did: the last piece is not a full one"
+        assert capture.requests == 2 and capture.requests_invalid == 2 and capture.errors == 0
+        assert capture.stats()["capture_requests_invalid"] == 2
+    finally:
+        capture.close()
+        manager.close()
+
+    piece = 1_500_000_000
+    pieces = [(req.from_ns, req.from_ns + piece - 1), (req.from_ns + piece, req.from_ns + 2 * piece - 1),
+              (req.from_ns + 2 * piece, req.to_ns)]
+    mine = [r for r in seen if r["pid"] == w.pid]
+    want = {(r["pid"], r["tid"], r["api"], r["ts_ns"], r["dur_ns"])
+            for r in mine if req.from_ns <= r["ts_ns"] <= req.to_ns}
+    assert 0 < len(want) < len(mine)
+    got = read_traces(cfg, broker.bootstrap, len(want))  # and nothing more: not the other job's, not twice
+    assert {(m["window_start_ns"], m["window_end_ns"]) for m, _ in got} == set(pieces)
+    for m, _ in got:
+        assert (m["tenant"], m["job"], m["host"], m["rank"]) == (cfg.default_tenant, job, cfg.host, 0)
+        assert (m["from_ns"], m["to_ns"]) == (m["window_start_ns"], m["window_end_ns"])
+        assert all(m["from_ns"] <= c["ts_ns"] <= m["to_ns"] for c in m["calls"])
+    calls = [c for m, _ in got for c in m["calls"]]
+    assert len(calls) == len(want)
+    assert {(c["pid"], c["tid"], c["api"], c["ts_ns"], c["dur_ns"]) for c in calls} == want
+    assert capture.published == len(got) and capture.publish_errors == 0 and capture.request_pieces == 3
+
+    rows = drain_into_store(cfg, broker.bootstrap, len(want))
+    assert {(r["tenant"], r["job"], r["host"], int(r["rank"])) for r in rows} == \
+        {(cfg.default_tenant, job, cfg.host, 0)}
+    assert {(int(r["pid"]), int(r["tid"]), r["api"], int(r["ts_ns"]), int(r["dur_ns"])) for r in rows} == want
+    assert {int(r["w_ms"]) for r in rows} == {start // 10**6 for start, _ in pieces}  # filed under their pieces
+
+
+@needs_root
+def test_trace_live_requests_waits_and_exports_the_span(make, pipeline_cfg, broker, tmp_path):
+    cfg = replace(pipeline_cfg, kafka=broker.bootstrap, trace_capture_s=4.0, window_s=0.2, sample_interval_s=0.1)
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    make_tracer, make_workload = make
+    tracer, manager, capture = capturing_agent(make_tracer, cfg, broker.bootstrap)
+    store = open_store(cfg.data_dir, clickhouse_url=None, prefer_endpoint=False)
+    store.migrate()
+    endpoint = QueryEndpoint(store, cfg.data_dir).start()  # the CLI reads the store through it, as beside `up`
+    out = tmp_path / "live.json"
+    env = {**os.environ, "FLEETSCOPE_DATA_DIR": str(cfg.data_dir), "FLEETSCOPE_KAFKA": broker.bootstrap,
+           "FLEETSCOPE_TOPIC_PREFIX": cfg.topic_prefix, "FLEETSCOPE_SAMPLE_INTERVAL_S": "0.1"}
+    try:
+        w = start_rank(make_workload, tracer, job, 1, iters=100_000)  # runs until killed
+        sink = subscribed_sink(cfg, store, broker.bootstrap)
+        cli = subprocess.Popen([sys.executable, "-m", "fleetscope", "trace", "--job", job, "--rank", "1",
+                                "--seconds", "2", "--live", "--out", str(out)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 90
+        while cli.poll() is None:  # the agent's ticks and the sink, while the command waits
+            assert time.monotonic() < deadline, "fleetscope trace --live did not finish"
+            manager.sample(time.time_ns())
+            sink.step(0.1)
+        stdout, stderr = cli.communicate()
+        sink.consumer.close()
+        w.kill()
+        assert cli.returncode == 0, stderr
+        assert f"requested 2 s of calls of job {job} (rank 1) from the agents" in stdout
+        assert capture.requests == 1 and capture.request_pieces >= 1 and capture.errors == 0
+        trace_events = store.query("SELECT min(toUnixTimestamp64Nano(ts)) AS lo, max(toUnixTimestamp64Nano(ts)) "
+                                   "AS hi, count() AS n FROM trace_events FINAL").as_dicts()[0]
+    finally:
+        endpoint.stop()
+        store.close()
+        capture.close()
+        manager.close()
+    assert int(trace_events["n"]) > 0 and int(trace_events["hi"]) - int(trace_events["lo"]) <= 2 * 10**9
+    assert f"{int(trace_events['n'])} calls, 0 anomaly windows" in stdout, stdout
+    spans = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] == "cuda"]
+    assert len(spans) == int(trace_events["n"]) and {e["pid"] for e in spans} == {1}
+    assert all(int(trace_events["lo"]) / 1000 <= e["ts"] <= int(trace_events["hi"]) / 1000 for e in spans)
