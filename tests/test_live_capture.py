@@ -17,7 +17,7 @@ from importlib.resources import files
 
 import jsonschema
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer
 
 from fleetscope.capture_request import (CAPTURE_REQUEST_SCHEMA, CaptureRequest, CaptureRequestError, build_request,
                                         check_request, parse_request, publish_request)
@@ -29,11 +29,35 @@ from fleetscope.producers.tracers.manager import TracerManager
 from fleetscope.store import QueryEndpoint, open_store
 from support import gpu_fixtures as fixtures
 from support.subscribed_sink import subscribed_sink
-from test_trace_capture import read_traces, tracer_cls  # noqa: F401 (a fixture)
 
 make, stubs = fixtures.make, fixtures.stubs
 NOW = 1_800_000_000_000_000_000
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
+
+
+@pytest.fixture
+def tracer_cls():  # the tracer the gpu fixtures make
+    from fleetscope.producers.tracers.cuda import CudaTracer
+    return CudaTracer
+
+
+def read_published(cfg, bootstrap: str, count: int, timeout_s: float = 60.0) -> list[dict]:
+    """The first `count` messages of `<prefix>.traces`, and a check that no more follow."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex[:6]}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer.subscribe([cfg.topic("traces")])
+    got, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(got) < count:
+            assert time.monotonic() < deadline, f"{len(got)} of {count} captures on {cfg.topic('traces')}"
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got.append(json.loads(msg.value()))
+        more = consumer.poll(1.0)
+        assert more is None or more.error() is not None, more.value()[:200]
+    finally:
+        consumer.close()
+    return got
 
 
 def fields(**kw) -> dict:
@@ -194,13 +218,15 @@ def test_a_request_publishes_the_jobs_calls_in_pieces_which_the_sink_stores(make
     want = {(r["pid"], r["tid"], r["api"], r["ts_ns"], r["dur_ns"])
             for r in mine if req.from_ns <= r["ts_ns"] <= req.to_ns}
     assert 0 < len(want) < len(mine)
-    got = read_traces(cfg, broker.bootstrap, len(want))  # and nothing more: not the other job's, not twice
-    assert {(m["window_start_ns"], m["window_end_ns"]) for m, _ in got} == set(pieces)
-    for m, _ in got:
+    got = read_published(cfg, broker.bootstrap, capture.published)  # and no more: not the other job's, not twice
+    assert {(m["window_start_ns"], m["window_end_ns"]) for m in got} == set(pieces)
+    schema = json.loads(files("fleetscope.schemas").joinpath("trace.schema.json").read_text())
+    for m in got:
+        jsonschema.validate(m, schema)  # a piece is a trace/1 message like an anomaly's capture
         assert (m["tenant"], m["job"], m["host"], m["rank"]) == (cfg.default_tenant, job, cfg.host, 0)
         assert (m["from_ns"], m["to_ns"]) == (m["window_start_ns"], m["window_end_ns"])
         assert all(m["from_ns"] <= c["ts_ns"] <= m["to_ns"] for c in m["calls"])
-    calls = [c for m, _ in got for c in m["calls"]]
+    calls = [c for m in got for c in m["calls"]]
     assert len(calls) == len(want)
     assert {(c["pid"], c["tid"], c["api"], c["ts_ns"], c["dur_ns"]) for c in calls} == want
     assert capture.published == len(got) and capture.publish_errors == 0 and capture.request_pieces == 3
