@@ -15,7 +15,7 @@ from fleetscope.producers.tracers import kernel
 from fleetscope.producers.tracers.kernel import btf_member_offset, exit_device
 from support.batch_rows import rows
 from support.processes import spawn, wait_until  # noqa: F401 (spawn is a fixture)
-from test_kernel_tracer import tracer_factory  # noqa: F401 (a fixture)
+from support.kernel_tracer import tracer_factory  # noqa: F401 (a fixture)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
@@ -136,12 +136,15 @@ def test_each_way_a_traced_process_ends(spawn, tracer_factory):  # noqa: F811 (a
 @pytest.mark.root
 @needs_root
 def test_last_deltas_go_out_with_the_exit(spawn, tracer_factory):  # noqa: F811 (a fixture)
-    proc = start(spawn, "print('ready', flush=True); " + GATE, 7, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    # after the go it sleeps once before it exits: its block on stdin began before the tracer was there (no
+    # switch-out recorded), so only a switch-out and back in while traced makes off-CPU time
+    proc = start(spawn, "print('ready', flush=True); " + GATE + "import time; time.sleep(0.05)", 7,
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"ready\n"
     wait_until(lambda: proc_state(proc.pid) == "S")  # blocked on its stdin, off the CPU
     tracer = tracer_factory(resolver=resolver(), pids=[proc.pid])
     tracer.sample()  # baseline
-    go(proc)  # it wakes (its off-CPU time counts at the switch-in) and exits 0
+    go(proc)  # it wakes, sleeps 50 ms (off-CPU time, counted at its switch-in) and exits 0
     proc.wait(timeout=30)
     got = [r for r in rows(tracer.sample()) if r["pid"] == proc.pid]
     by = {r["metric"]: r for r in got}

@@ -10,6 +10,7 @@ import pytest
 
 from fleetscope import wire
 from fleetscope.schema import NODE_TENANT, validate
+from support.kernel_tracer import tracer_factory  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
@@ -32,23 +33,6 @@ def children():
         for p in procs:
             p.kill()
             p.wait(timeout=10)
-
-
-@pytest.fixture
-def tracer_factory():
-    from fleetscope.producers.tracers import KernelTracer
-    made = []
-
-    def make(**kw):
-        t = KernelTracer("node-a", **kw)
-        made.append(t)
-        return t
-
-    try:
-        yield make
-    finally:
-        for t in made:
-            t.close()
 
 
 def rows(batch):

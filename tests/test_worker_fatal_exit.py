@@ -20,7 +20,7 @@ from fleetscope.cli.launcher import EmbeddedStack
 from fleetscope.config import Config
 from fleetscope.streams.stats_file import read_worker_stats
 from support.processes import wait_until
-from test_chaos import Feed
+from support.host_feed import Feed
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
