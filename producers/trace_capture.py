@@ -75,10 +75,7 @@ class CallRing:
 
     def window(self, key: tuple, from_ns: int, to_ns: int) -> list[dict]:
         """The calls of `key` that start in [from_ns, to_ns], by start time."""
-        with self._lock:
-            self._expire()
-            found = [c for ts, k, c in self._calls if k == key and from_ns <= ts <= to_ns]
-        return sorted(found, key=lambda c: c["ts_ns"])
+        return self.windows(key.__eq__, from_ns, to_ns).get(key, [])
 
     def windows(self, match, from_ns: int, to_ns: int) -> dict[tuple, list[dict]]:
         """The calls that start in [from_ns, to_ns] of every key for which `match(key)` holds, by key and start."""
