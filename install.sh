@@ -35,6 +35,8 @@ pick_headers() {
 if [ "$can_system" = 1 ]; then
   need=()
   dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc)
+  # strip: the test that a stripped interpreter without USDT is refused makes such a copy (else it skips)
+  dpkg -s binutils >/dev/null 2>&1 || need+=(binutils)
   if [ ! -e "/lib/modules/$KVER/build/Makefile" ] && ! ls -d /usr/src/linux-headers-*-"$(dpkg --print-architecture)" >/dev/null 2>&1; then
     apt-get update -qq
     hdr="$(pick_headers)"
