@@ -164,7 +164,10 @@ def test_a_runtime_that_loads_the_driver_later_still_counts_each_launch_once(mak
     hits1 = tracer.hits()["launch"]
     got = index([tracer.sample()], w.pid)
     calls = got[("cuda.calls", "cudaLaunchKernel")]
-    assert got[("cuda.launches", VECADD)] == calls
+    # The workload keeps launching while the sample reads the calls map and then the launches map, so the two can
+    # differ by the launch or two that fell between the reads (seen: 101 against 100 in a loaded CI run); a launch
+    # counted twice, once by the runtime probe and once by the driver's, would double the count instead.
+    assert calls >= 50 and abs(got[("cuda.launches", VECADD)] - calls) <= 2, (got[("cuda.launches", VECADD)], calls)
     assert not [k for k in got if k[1].startswith(("cuLaunchKernel", "CUfunction"))], got
     # every counted launch also hit the driver's probe, which skipped it (the reads straddle a few calls)
     assert abs((hits1 - hits0) - 2 * calls) <= 6, (hits1 - hits0, calls)

@@ -121,3 +121,30 @@ def test_the_family_off_stops_sampling_and_on_resumes(sampler, tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_process_py_spy_cannot_sample_is_set_aside_with_py_spy_s_own_reason(sampler):
+    """A Python process that then execs `sleep`: the real py-spy finds no interpreter in it and says so on
+    stderr. The sampler keeps that line as the reason, starts no further window, and its files are gone."""
+    p = subprocess.Popen([sys.executable, "-c", "import os, sys; sys.stdin.readline(); "
+                          "os.execvp('sleep', ['sleep', '60'])"], stdin=subprocess.PIPE)
+    try:
+        assert sampler.add_pid(p.pid)
+        sampler.set_family_enabled("stacks", False)   # no window while it is still Python
+        p.stdin.write(b"exec\n")
+        p.stdin.flush()
+        deadline = time.monotonic() + 20
+        while not os.readlink(f"/proc/{p.pid}/exe").endswith("sleep"):
+            assert time.monotonic() < deadline, "the process never became sleep"
+            time.sleep(0.05)
+        sampler.set_family_enabled("stacks", True)
+        while p.pid not in sampler.unavailable:
+            assert time.monotonic() < deadline + 30, "py-spy's failure was never seen"
+            sampler.sample()
+            time.sleep(0.1)
+        reason = sampler.unavailable[p.pid]
+        assert reason == f"py-spy could not sample pid {p.pid}: Error: Failed to find python version from target process"
+        assert p.pid not in sampler.windows and list(sampler._dir.iterdir()) == []
+    finally:
+        p.kill()
+        p.wait()

@@ -68,6 +68,28 @@ class Window:
     out: Path
     started_ns: int
 
+    @property
+    def err(self) -> Path:
+        """py-spy's stderr, in a file beside its output: a pipe's read end once read back None (EAGAIN) in a
+        loaded CI run and so raised inside the agent's tick; a file read after the process ended cannot."""
+        return self.out.with_suffix(".err")
+
+
+def py_spy_error(stderr: str) -> str:
+    """py-spy's own error line ("Error: ..."), not the stack backtrace it may print after it; else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    return next((ln for ln in lines if ln.startswith("Error:")), lines[-1] if lines else "")
+
+
+def _read_and_remove(path: Path) -> str:
+    """A finished window's file as text ("" when py-spy wrote none), then gone."""
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        path.unlink(missing_ok=True)
+
 
 def find_py_spy() -> str:
     """The py-spy binary: on PATH, or next to this interpreter (a virtualenv's bin/)."""
@@ -171,8 +193,8 @@ class PythonSampler:
         out = self._dir / f"{pid}-{time.monotonic_ns()}.txt"
         cmd = [self.py_spy, "record", "--pid", str(pid), "--rate", str(self.rate_hz), "--nonblocking",
                "--format", "raw", "--full-filenames", "--duration", str(self.window_s), "-o", str(out)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
+        with open(out.with_suffix(".err"), "wb") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
         return Window(proc, out, time.time_ns())
 
     @staticmethod
@@ -185,6 +207,7 @@ class PythonSampler:
                 window.proc.kill()
                 window.proc.wait(5)
         window.out.unlink(missing_ok=True)
+        window.err.unlink(missing_ok=True)
 
     # -- the governor's controls -------------------------------------------------
     def families(self) -> dict[str, str]:
@@ -218,15 +241,9 @@ class PythonSampler:
         return metric_batch(self.SOURCE, self.host, rows, now_ns, 0, self._identity)
 
     def _window_rows(self, pid: int, window: Window, now_ns: int, top: str | None) -> list[tuple]:
-        err = window.proc.stderr.read()
-        window.proc.stderr.close()
-        try:
-            text = window.out.read_text()
-        except OSError:
-            text = ""
-        window.out.unlink(missing_ok=True)
+        err, text = _read_and_remove(window.err), _read_and_remove(window.out)
         if window.proc.returncode != 0 and not text and os.path.exists(f"/proc/{pid}"):
-            reason = (err.strip().splitlines() or [f"exit {window.proc.returncode}"])[-1]
+            reason = py_spy_error(err) or f"exit {window.proc.returncode}"
             self.unavailable[pid] = f"py-spy could not sample pid {pid}: {reason}"
             log.warning("python_sampler: %s", self.unavailable[pid])
             return []
