@@ -77,6 +77,7 @@ def test_during_an_outage_the_spool_holds_at_most_its_bound_in_batches(outage_br
     assert pub.stats.dropped_batches >= 197 and pub.stats.dropped_overflow_batches == pub.stats.dropped_batches
     assert pub.stats.dropped_events == 3 * pub.stats.dropped_batches
     assert pub.stats.batches_sent == 0
+    pub.close(0)  # else its librdkafka client dials the stopped broker for the rest of the run
 
 
 def test_the_spool_is_bounded_in_bytes(outage_broker, tmp_path):
@@ -88,6 +89,7 @@ def test_the_spool_is_bounded_in_bytes(outage_broker, tmp_path):
         pub.publish(numbered_batch(i, rows=50))
         assert pub._held_bytes <= cfg.spool_max_bytes
     assert pub.held() <= 4 and pub.stats.dropped_overflow_batches >= 36
+    pub.close(0)
 
 
 def test_batches_published_during_an_outage_arrive_in_order_after_it(outage_broker, tmp_path):
@@ -111,6 +113,7 @@ def test_batches_published_during_an_outage_arrive_in_order_after_it(outage_brok
     order = [int(b.columns["ts_ns"][0]) for b in got[0]]
     assert order == list(range(5, 30)), order  # the restarted broker holds what came after the restart
     assert pub.stats.dropped_batches == 0
+    assert pub.close(5) == 0
 
 
 def test_a_spool_directory_carries_held_batches_across_an_agent_restart(outage_broker, tmp_path):
@@ -133,6 +136,7 @@ def test_a_spool_directory_carries_held_batches_across_an_agent_restart(outage_b
     assert [int(b.columns["ts_ns"][0]) for b in got[0]] == list(range(15))  # the held ones first, in order
     assert list((tmp_path / "spool").glob("*.msg")) == []
     assert second.stats.spool_dir_bytes == 0
+    assert second.close(5) == 0
 
 
 def test_the_spool_directory_is_bounded_and_its_drops_counted(outage_broker, tmp_path):
@@ -147,3 +151,39 @@ def test_the_spool_directory_is_bounded_and_its_drops_counted(outage_broker, tmp
     assert sum(f.stat().st_size for f in files) <= cfg.spool_dir_max_bytes + 5 * 1024  # values plus small headers
     assert pub.stats.spool_dir_bytes <= cfg.spool_dir_max_bytes
     assert pub.stats.dropped_overflow_batches >= 24
+    pub.close(0)
+
+
+def _librdkafka_instances() -> int:
+    """Live librdkafka clients in this process: each runs one thread named rdk:main."""
+    import glob
+    names = []
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        try:
+            names.append(open(comm).read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("rdk:main")
+
+
+def test_replaced_and_closed_producers_are_freed_not_left_reconnecting(outage_broker, tmp_path):
+    """Before, a producer purged during an outage kept its purged messages' delivery callbacks, and through them
+    the Publisher that held it: a cycle Python cannot collect. Each replaced producer then lived (and dialled
+    the dead broker) for as long as the agent did, and so did a closed one."""
+    import gc
+    before = _librdkafka_instances()
+    cfg = Config(data_dir=tmp_path, host="node-o", topic_prefix=TOPIC_PREFIX)
+    pub = Publisher(cfg, outage_broker.bootstrap, extra_conf={"message.timeout.ms": 500})
+    outage_broker.stop()
+    for i in range(5):
+        pub.publish(numbered_batch(i))
+    publish_until(pub, lambda: pub.stats.producer_restarts >= 2, what="the outage to replace the producer twice")
+    gc.collect()
+    assert _librdkafka_instances() == before + 1  # the replaced ones are gone, the current one is alive
+    assert pub.close(timeout_s=0.2) == 5 and pub.stats.dropped_batches == 5
+    del pub
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _librdkafka_instances() > before:
+        assert time.monotonic() < deadline, f"{_librdkafka_instances() - before} librdkafka clients left alive"
+        time.sleep(0.05)
