@@ -38,7 +38,7 @@ from collections import OrderedDict, deque
 from fleetscope.capture_request import CaptureRequest, CaptureRequestError, parse_request
 from fleetscope.kafka_settings import client_conf
 from fleetscope.trace_message import TRACE_SCHEMA, call_of, trace_messages
-from fleetscope.producers.tracers.rows import identity
+from fleetscope.producers.tracers.rows import LastKnownIdentities
 
 log = logging.getLogger(__name__)
 ANOMALY_SCHEMA = "anomaly/1"  # the fs-schema of <prefix>.anomalies (streams/derived_codec.py)
@@ -118,7 +118,7 @@ class TraceCapture:
         self._pending: list[tuple[int, tuple, dict]] = []  # (due wall ns, key, head) of anomalies to capture
         self._requests: list[list] = []  # [next piece's start ns, request] of live requests in progress
         self._seen: OrderedDict = OrderedDict()
-        self._known: dict[int, tuple[tuple, int]] = {}  # pid -> ((tenant, job, rank), last seen wall ns)
+        self._identities = LastKnownIdentities(self.resolver, cfg.host)  # a gone rank's calls keep its key
         self._thread = threading.Thread(target=self._listen, name="trace-capture", daemon=True)
         self.unranked = self.anomalies = self.published = self.calls_published = self.empty = 0
         self.errors = self.publish_errors = 0
@@ -142,17 +142,13 @@ class TraceCapture:
                     self.unranked += len(recs)
                     continue
                 self.ring.add(key, [call_of(r, source) for r in recs])
-            self._known = {pid: kn for pid, kn in self._known.items() if now - kn[1] <= self.ring.keep_ns}
+            self._identities.expire(now - self.ring.keep_ns)
         except Exception:
             self._failed("keeping the records of %s", source)
 
     def _key_of(self, pid: int, now: int) -> tuple | None:
-        who = identity(self.resolver, self.cfg.host, pid)
-        if who.rank >= 0:
-            self._known[pid] = ((who.tenant, who.job, who.rank), now)
-            return self._known[pid][0]
-        known = self._known.get(pid)  # gone (or never ranked): its last known identity, if any
-        return known[0] if known is not None else None
+        who = self._identities.resolve(pid, now)  # gone: its last known identity, if any
+        return (who.tenant, who.job, who.rank) if who.rank >= 0 else None
 
     def sample(self, now_ns: int) -> None:
         return None
@@ -249,7 +245,7 @@ class TraceCapture:
                  sorted({k[2] for k in self._known_keys() if req.matches(k)}) or "none")
 
     def _known_keys(self) -> set[tuple]:
-        return {kn[0] for kn in list(self._known.values())}
+        return {(who.tenant, who.job, who.rank) for who in self._identities.known() if who.rank >= 0}
 
     def capture_due(self, force: bool = False) -> None:
         now = self.clock_ns()

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fleetscope.wire import Batch
-from fleetscope.producers.tracers.rows import RowIdentity, diff, identity, metric_batch
+from fleetscope.producers.tracers.rows import LastKnownIdentities, RowIdentity, diff, identity, metric_batch
 from fleetscope.resources import package_dir
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,7 @@ class KernelTracer:
         self._prev: dict[str, dict] = {"offcpu": {}, "runq": {}, "switches": {}, "tcp": {}, "irq": {}}
         self._prev["irq"] = self._read_irqs()
         self.pids: set[int] = set()
-        self._node_identity = identity(None, host, 0)  # what a pid's rows get when the resolver has no answer
-        self._identities: dict[int, RowIdentity] = {}  # per traced pid, the last one resolved
+        self._identities = LastKnownIdentities(self.resolver, host)  # per traced pid
         self._exit_codes: dict[int, int] = {}  # ended, still traced: their last deltas may be on the way
         # Untraced since the last sample: (exit code or None, last identity); that sample reports them.
         self._departed: dict[int, tuple[int | None, RowIdentity | None]] = {}
@@ -167,7 +166,7 @@ class KernelTracer:
         pid = int(pid)
         self._targets[self._targets.Key(pid)] = self._targets.Leaf(1)
         self.pids.add(pid)
-        self._identities[pid] = identity(self.resolver, self.host, pid)
+        self._identities.resolve(pid)
 
     def remove_pid(self, pid: int) -> None:
         """Stop tracing `pid`. An exit it made is still reported, by the next sample."""
@@ -176,7 +175,7 @@ class KernelTracer:
         if code is None:
             code = self._pop_exit(pid)
         if pid in self.pids:
-            self._departed[pid] = (code, self._identities.pop(pid, None))
+            self._departed[pid] = (code, self._identities.forget(pid))
         self.pids.discard(pid)
         for table in (self._targets, self._offcpu, self._runq, self._switches):
             try:
@@ -278,10 +277,4 @@ class KernelTracer:
     def _identity(self, pid: int) -> RowIdentity:
         """The resolver's identity of `pid`; for a traced pid it has no answer for (gone, or a zombie),
         the one last resolved."""
-        ident = identity(self.resolver, self.host, pid)
-        if pid not in self.pids:
-            return ident
-        if ident == self._node_identity:
-            return self._identities.get(pid, ident)
-        self._identities[pid] = ident
-        return ident
+        return self._identities.resolve(pid) if pid in self.pids else identity(self.resolver, self.host, pid)

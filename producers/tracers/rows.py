@@ -53,6 +53,36 @@ def identity(resolver, host: str, pid: int) -> RowIdentity:
                        placement() if placement is not None else NO_PLACEMENT)
 
 
+class LastKnownIdentities:
+    """Per pid, the last identity the resolver gave other than the node's, which `resolve` answers once the
+    resolver has none any more (the process ended, or is a zombie whose /proc no longer says). An entry goes
+    with forget(pid), or with expire() once not resolved for a while."""
+
+    def __init__(self, resolver, host: str):
+        self.resolver, self.host = resolver, host
+        self.node = identity(None, host, 0)  # what a pid gets when the resolver never knew it
+        self._last: dict[int, tuple[RowIdentity, int]] = {}  # pid -> (identity, when last resolved)
+
+    def resolve(self, pid: int, now_ns: int = 0) -> RowIdentity:
+        ident = identity(self.resolver, self.host, pid)
+        if ident != self.node:
+            self._last[pid] = (ident, now_ns)
+            return ident
+        last = self._last.get(pid)
+        return last[0] if last is not None else ident
+
+    def forget(self, pid: int) -> RowIdentity | None:
+        last = self._last.pop(pid, None)
+        return last[0] if last is not None else None
+
+    def expire(self, before_ns: int) -> None:
+        """Forget every pid last resolved before `before_ns`."""
+        self._last = {pid: last for pid, last in self._last.items() if last[1] >= before_ns}
+
+    def known(self) -> list[RowIdentity]:
+        return [last[0] for last in list(self._last.values())]
+
+
 def diff(prev: dict, current: dict) -> dict:
     """Positive increases of cumulative counters since `prev`, per key (a value that shrank was re-created:
     count it whole)."""
