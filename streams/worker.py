@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from fleetscope.config import Config
-from fleetscope.kafka_settings import client_conf
+from fleetscope.kafka_settings import client_conf, output_producer_conf
 from fleetscope.topics import MODEL_STATE, prepare_topics
 from fleetscope.streams.app import create_app, run_worker
 from fleetscope.streams.processor import StreamProcessor
@@ -22,8 +22,7 @@ log = logging.getLogger(__name__)
 
 def derived_producer(cfg: Config, bootstrap: str):
     from confluent_kafka import Producer
-    return Producer(client_conf(cfg, bootstrap, **{"acks": "all", "enable.idempotence": True,
-                                                    "linger.ms": 5, "client.id": "fleetscope-streams"}))
+    return Producer(output_producer_conf(cfg, bootstrap, "fleetscope-streams", **{"linger.ms": 5}))
 
 
 def state_reader(cfg: Config, bootstrap: str) -> ModelStateTopic:

@@ -193,3 +193,20 @@ def test_topics_are_created_with_their_partition_counts_and_not_at_all_when_mana
     assert len(topics[f"{prefix}.anomalies"].partitions) == 3
     assert len(topics[f"{prefix}.features"].partitions) == 2
     assert prepare_topics(managed, broker.bootstrap) == []  # all there now: the managed check passes
+
+
+def test_the_delivery_timeout_of_worker_and_sink_outputs_comes_from_the_config(monkeypatch, tmp_path):
+    """kafka_delivery_timeout_s reaches librdkafka's message.timeout.ms of both output producers (the worker's
+    whole effect is tested end to end in test_worker_fatal_exit); out-of-range values are refused."""
+    from fleetscope.kafka_settings import output_producer_conf
+    monkeypatch.setenv("FLEETSCOPE_KAFKA_DELIVERY_TIMEOUT_S", "42.5")
+    cfg = config_mod.load(env=os.environ, data_dir=tmp_path)
+    assert cfg.kafka_delivery_timeout_s == 42.5
+    for client in ("fleetscope-streams", "fleetscope-sink"):
+        conf = output_producer_conf(cfg, "127.0.0.1:1", client)
+        assert conf["message.timeout.ms"] == 42_500 and conf["client.id"] == client
+        assert conf["acks"] == "all" and conf["enable.idempotence"] is True
+    assert Config(data_dir=tmp_path).kafka_delivery_timeout_s == 300.0  # librdkafka's own default
+    for bad in (0.5, 0, -1, 100_000):
+        with pytest.raises(ConfigError, match="kafka_delivery_timeout_s"):
+            Config(data_dir=tmp_path, kafka_delivery_timeout_s=bad).validate()

@@ -5,12 +5,11 @@ the process, end to end.
 
 Real parts: the launcher's stack with a broker of its own (cli/launcher.py; frozen with SIGSTOP, as in
 tests/test_chaos.py, so no other test is disturbed), a `fleetscope streams` process, a real feed producer.
-One stand-in, said where used: the worker's producers give up on a message after 1 s instead of librdkafka's
-default 5 minutes (no setting reaches that), so the outage that fences its idempotent producer is short.
+The worker's outputs time out after 1 s (kafka_delivery_timeout_s; 300 s by default), so the outage that fences
+its idempotent producer is short.
 """
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 
@@ -24,20 +23,6 @@ from support.host_feed import Feed
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-# `python -m fleetscope streams`, its Kafka producers with message.timeout.ms=1000 (the stand-in above);
-# everything else is the worker's own code and settings
-SHORT_TIMEOUT_WORKER = """
-import sys
-import confluent_kafka
-from fleetscope.cli import main
-
-class Producer(confluent_kafka.Producer):
-    def __init__(self, conf, **kwargs):
-        super().__init__({**conf, "message.timeout.ms": 1000}, **kwargs)
-
-confluent_kafka.Producer = Producer
-sys.exit(main(["streams"]))
-"""
 FATAL_LINE = "fleetscope streams: the Kafka producer failed for good"
 IDLE_CLOSE_S = 10.0  # how long the test has, after the worker read the last input, to freeze the broker
 BEFORE, DURING = 6, 2  # input messages (one host, 0.5 s of event time each) before and across the outage
@@ -58,8 +43,9 @@ def uncommitted(stack):
 def test_a_worker_whose_producer_failed_for_good_exits_1_and_commits_nothing_undelivered(tmp_path):
     run = uuid.uuid4().hex[:8]
     cfg = Config(data_dir=tmp_path, topic_prefix=f"f{run}", consumer_group=f"g{run}", partitions=1, window_s=1.0,
-                 allowed_lateness_s=0.5, idle_close_s=IDLE_CLOSE_S, host=f"fatal-{run}", metrics_port=0, trace=())
-    stack = EmbeddedStack(cfg, workers=1, worker_argv=[sys.executable, "-c", SHORT_TIMEOUT_WORKER]).start()
+                 allowed_lateness_s=0.5, idle_close_s=IDLE_CLOSE_S, host=f"fatal-{run}", metrics_port=0, trace=(),
+                 kafka_delivery_timeout_s=1.0)  # its outputs time out 1 s into the freeze
+    stack = EmbeddedStack(cfg, workers=1).start()
     try:
         worker = stack.workers[0]
         feed = Feed(stack.cfg, f"fatal-{run}", hosts=1)

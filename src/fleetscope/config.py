@@ -52,6 +52,9 @@ class Config:
     kafka_ssl_certificate_location: str | None = None
     kafka_ssl_key_location: str | None = None
     kafka_connect_timeout_s: float = 5.0  # how long a command waits for Kafka at start before one clear error line
+    # How long a stream worker's or sink's output may wait for Kafka's acknowledgement (librdkafka's
+    # message.timeout.ms) before the process stops non-zero for its supervisor to restart it.
+    kafka_delivery_timeout_s: float = 300.0
     # Store: None means embedded chDB under data_dir.
     clickhouse_url: str | None = None
     database: str = "fleetscope"
@@ -197,6 +200,8 @@ class Config:
             raise ConfigError("alert_resolve_s, alert_resend_s and metrics_job_expire_s must be > 0")
         if self.spool_max_batches < 1 or self.spool_max_bytes < 1 or self.spool_dir_max_bytes < 1:
             raise ConfigError("spool_max_batches, spool_max_bytes and spool_dir_max_bytes must be >= 1")
+        if not 1.0 <= self.kafka_delivery_timeout_s <= 86_400:
+            raise ConfigError(f"kafka_delivery_timeout_s={self.kafka_delivery_timeout_s}: must be 1..86400 seconds")
         if self.kafka_message_max_bytes < 1000 or self.delivery_max_retries < 0 or self.stop_flush_timeout_s < 0:
             raise ConfigError("kafka_message_max_bytes must be >= 1000, delivery_max_retries and stop_flush_timeout_s >= 0")
         # A job or tenant name is published to every reader of the topics: never from a secret.
@@ -248,6 +253,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_KUBELET_PODS": "kubelet_pods",
     "FLEETSCOPE_TOPIC_PARTITIONS": "topic_partitions", "FLEETSCOPE_TOPIC_REPLICATION": "topic_replication",
     "FLEETSCOPE_CREATE_TOPICS": "create_topics", "FLEETSCOPE_KAFKA_CONNECT_TIMEOUT_S": "kafka_connect_timeout_s",
+    "FLEETSCOPE_KAFKA_DELIVERY_TIMEOUT_S": "kafka_delivery_timeout_s",
     **{f"FLEETSCOPE_{name.upper()}": name for name in (
         "kafka_security_protocol", "kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password_file",
         "kafka_ssl_ca_location", "kafka_ssl_certificate_location", "kafka_ssl_key_location")},

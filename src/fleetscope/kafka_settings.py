@@ -137,6 +137,13 @@ def client_conf(cfg: Config, bootstrap: str, **extra) -> dict:
     return {"bootstrap.servers": bootstrap, **KafkaSecurity.from_config(cfg).librdkafka(), **extra}
 
 
+def output_producer_conf(cfg: Config, bootstrap: str, client_id: str, **extra) -> dict:
+    """An idempotent acks=all producer for a stream worker's or a sink's outputs; a message Kafka has not
+    acknowledged within kafka_delivery_timeout_s fails, and with it the process (to be restarted)."""
+    return client_conf(cfg, bootstrap, **{"acks": "all", "enable.idempotence": True, "client.id": client_id,
+                                          "message.timeout.ms": int(cfg.kafka_delivery_timeout_s * 1000), **extra})
+
+
 # librdkafka error names that mean "we reached a broker and it refused us", as opposed to "no broker answered"
 _AUTH_ERRORS = {"_AUTHENTICATION", "SASL_AUTHENTICATION_FAILED", "TOPIC_AUTHORIZATION_FAILED",
                 "CLUSTER_AUTHORIZATION_FAILED", "UNSUPPORTED_SASL_MECHANISM", "ILLEGAL_SASL_STATE"}

@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from fleetscope.kafka_settings import client_conf
+from fleetscope.kafka_settings import client_conf, output_producer_conf
 from fleetscope.store import open_store
 from fleetscope.store.endpoint import QueryEndpoint
 from fleetscope.topics import RAW_SOURCES, prepare_topics
@@ -38,8 +38,7 @@ def run_sink(cfg, bootstrap: str, stop: threading.Event | None = None, raw: bool
         "group.id": f"{cfg.consumer_group}-sink", "enable.auto.commit": False, "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": 50, "queued.max.messages.kbytes": 65536, "session.timeout.ms": 6000,
         "heartbeat.interval.ms": 1000, "client.id": "fleetscope-sink", **metrics.consumer_settings()}))
-    producer = Producer(client_conf(cfg, bootstrap, **{"acks": "all", "enable.idempotence": True,
-                                                        "client.id": "fleetscope-sink"}))
+    producer = Producer(output_producer_conf(cfg, bootstrap, "fleetscope-sink"))
     sink = Sink(cfg, metrics.store, consumer, producer, poll_records=POLL_RECORDS)
     metrics.watch(sink)
     consumer.subscribe(subscribed_topics(cfg, raw), on_assign=sink.on_assign)
