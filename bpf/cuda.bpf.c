@@ -8,7 +8,8 @@
  * bit 63 so a runtime call that enters the driver inside it keeps its own
  * slot). Return pairs with it and aggregates into maps that user space reads
  * once per sample: nothing leaves the kernel per call unless DETAIL is set,
- * which adds one ring-buffer record per call (tests, debugging).
+ * which adds one ring-buffer record per call while the detail gate
+ * (detail_until in gpu_calls.bpf.c) is open.
  *
  * The runtime enters the driver through its exported symbols (cudaMalloc
  * calls cuMemAlloc_v2, cudaLaunchKernel cuLaunchKernel): a driver call made
@@ -191,7 +192,9 @@ static __always_inline int leave(struct pt_regs *ctx, u64 tag) {
 int on_return(struct pt_regs *ctx) { return leave(ctx, bpf_get_attach_cookie(ctx) & DRIVER_TAG); }
 
 /* Stack arguments: at a uprobe on the first instruction, [sp] is the return
- * address and the 7th, 8th, ... integer arguments follow. Read only in DETAIL. */
+ * address and the 7th, 8th, ... integer arguments follow. Read only in DETAIL,
+ * whether the detail gate is open or not: a call that enters while it is
+ * closed and returns once it is open still gets its full record. */
 static __always_inline void stack_args(struct pt_regs *ctx, u64 *out, int n) {
 #ifdef DETAIL
     bpf_probe_read_user(out, n * sizeof(u64), (void *)(PT_REGS_SP(ctx) + 8));

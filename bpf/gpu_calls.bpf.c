@@ -5,7 +5,8 @@
  *
  * Entry saves the call's arguments per thread in `inflight`; return takes
  * them back, adds duration, return code and bytes to the (pid, API) stats,
- * and, with DETAIL, sends one ring-buffer record per call. */
+ * and, with DETAIL, sends one ring-buffer record per call while the detail
+ * gate is open. */
 #include <uapi/linux/ptrace.h>
 #include "events.h"
 
@@ -18,6 +19,11 @@ BPF_ARRAY(hits, u64, N_FAMILIES);                 /* probe-pair hits per family 
 BPF_ARRAY(lost, u64, 1);                          /* map-full and ring-buffer-full failures */
 #ifdef DETAIL
 BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
+/* The detail gate: records are sent only while bpf_ktime_get_ns() (CLOCK_MONOTONIC) is before
+ * detail_until[0]. User space opens it (GpuCallTracer.set_detail_until): for the whole run when the
+ * agent captures around anomalies (U64 max), or for a live capture request's span. Closed (0) it costs one
+ * array lookup per call; the stats count either way. */
+BPF_ARRAY(detail_until, u64, 1);
 #endif
 /* Per thread (pid_tgid): when its latest NCCL call that enqueued work
  * returned, 0 once taken. The NCCL program writes it, the CUDA program takes
@@ -54,7 +60,7 @@ static __always_inline int gpu_call_take(u64 id, struct gpu_inflight *f, u64 *du
     return 1;
 }
 
-/* Add a finished call to its (pid, API) stats, and with DETAIL send its record. */
+/* Add a finished call to its (pid, API) stats, and with DETAIL send its record while the gate is open. */
 static __always_inline void gpu_call_record(u64 pid_tgid, struct gpu_inflight *f, u64 dur, s32 rc, u64 bytes) {
     struct gpu_call_key k = {.pid = pid_tgid >> 32, .api = f->api};
     int z = 0;
@@ -67,6 +73,9 @@ static __always_inline void gpu_call_record(u64 pid_tgid, struct gpu_inflight *f
     else
         count_lost();
 #ifdef DETAIL
+    u64 *until = detail_until.lookup(&z);
+    if (!until || !*until || bpf_ktime_get_ns() >= *until)  /* 0: closed, no clock read */
+        return;
     struct gpu_call_event *e = calls.ringbuf_reserve(sizeof(*e));
     if (!e) {
         count_lost();

@@ -21,9 +21,16 @@ a rank it hosts, that rank's window of them on `<prefix>.traces` (fleetscope/tra
   job without ranks here publishes nothing. The trace message has no field for the request id (its schema is
   closed), so captures carry the piece, not the request. Invalid requests are logged and counted
   (`capture_requests_invalid`), valid ones counted (`capture_requests`).
-- Detail mode is compiled into the tracers' BPF (DETAIL) and is on for the agent's whole run while
-  trace_capture_s > 0; a request cannot switch it on at runtime, so an agent without capture has no listener
-  and answers no request.
+- Detail mode is compiled into the tracers' BPF (DETAIL) while trace_capture_s > 0, behind a runtime gate (a
+  CLOCK_MONOTONIC deadline in a BPF array, bpf/gpu_calls.bpf.c): records are sent only while it is open.
+  With trace_capture_anomalies (the default) the tracers open it for the whole run at their start, and
+  anomalies are captured as above. Without, it starts closed, an anomaly of a rank here is counted
+  (`capture_anomalies_ignored`) and not captured, and each valid live request opens it through `open_detail`
+  (wired by attach_capture to the trace source, which hands it to the tracer manager) from its arrival until
+  its end plus the settle time; of several requests the latest end wins. Openings are counted
+  (`capture_detail_opened`). The gate is one per tracer, not per process: a request opens it for every
+  process traced here, though only the job's calls are published. An agent with trace_capture_s = 0 has no
+  detail mode and no listener, and answers no request.
 - Nothing here may harm the agent: every failure is logged and counted (`capture_errors`,
   `capture_publish_errors`), never raised into the tick.
 """
@@ -123,6 +130,10 @@ class TraceCapture:
         self.unranked = self.anomalies = self.published = self.calls_published = self.empty = 0
         self.errors = self.publish_errors = 0
         self.requests = self.requests_invalid = self.request_pieces = 0
+        self.anomalies_ignored = self.detail_opened = 0
+        # Without trace_capture_anomalies: called with a live request's end (wall ns) plus the settle time, to open
+        # the tracers' detail gate until then (TracingSource.open_detail); set by attach_capture.
+        self.open_detail = None
 
     def start(self) -> "TraceCapture":
         self._thread.start()
@@ -160,7 +171,8 @@ class TraceCapture:
                 "capture_published": self.published, "capture_calls_published": self.calls_published,
                 "capture_empty": self.empty, "capture_errors": self.errors,
                 "capture_publish_errors": self.publish_errors, "capture_requests": self.requests,
-                "capture_requests_invalid": self.requests_invalid, "capture_request_pieces": self.request_pieces}
+                "capture_requests_invalid": self.requests_invalid, "capture_request_pieces": self.request_pieces,
+                "capture_anomalies_ignored": self.anomalies_ignored, "capture_detail_opened": self.detail_opened}
 
     # ---- the listener ------------------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -205,6 +217,13 @@ class TraceCapture:
         a = json.loads(value)
         if a["host"] != self.cfg.host:
             return  # another node's rank
+        if not self.cfg.trace_capture_anomalies:
+            self.anomalies_ignored += 1
+            if self.anomalies_ignored == 1:
+                log.info("an anomaly of %s rank %s here is not captured: trace_capture_anomalies is off, so the "
+                         "tracers record calls only during live capture requests (counted in "
+                         "capture_anomalies_ignored)", a["job"], a["rank"])
+            return
         key = (a["tenant"], a["job"], int(a["rank"]))
         start = int(a["window_start_ns"])
         if not self._remember((key, start)):
@@ -240,6 +259,12 @@ class TraceCapture:
             return
         self.requests += 1
         self._requests.append([req.from_ns, req])
+        if self.open_detail is not None:
+            try:
+                self.open_detail(req.to_ns + self.settle_ns)  # calls returning just after the end still count
+                self.detail_opened += 1
+            except Exception:
+                self._failed("opening the tracers' detail records for request %s", req.request_id)
         log.info("capture request %s: job %s%s over %.1f s; ranks here now: %s", req.request_id, req.job,
                  "" if req.rank < 0 else f" rank {req.rank}", (req.to_ns - req.from_ns) / 1e9,
                  sorted({k[2] for k in self._known_keys() if req.matches(k)}) or "none")
@@ -327,4 +352,6 @@ def attach_capture(cfg, bootstrap: str, resolver, sources: list) -> TraceCapture
         log.exception("capture around anomalies is off: it failed to start")
         return None
     tracing.on_records = capture.add_records
+    if not cfg.trace_capture_anomalies:  # else the tracers' detail gate is open for good (registry.py)
+        capture.open_detail = tracing.open_detail
     return capture

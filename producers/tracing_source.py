@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class TracingSource:
         self._closed = False
         self.manager = None
         self.on_records = None  # the anomaly capture's add_records, when configured (producers/trace_capture.py)
+        self._detail_until = 0  # the latest monotonic deadline asked of the tracers' detail gate (0: none)
+        self._detail_lock = threading.Lock()  # not _lock: that one is held while the manager starts (seconds)
         self._thread = threading.Thread(target=self._start, name="tracer-start", daemon=True)
 
     def start(self) -> "TracingSource":
@@ -59,6 +62,9 @@ class TracingSource:
                 return
             manager.start()
             self.manager = manager
+        with self._detail_lock:
+            if self._detail_until:  # a live request came while the programs compiled
+                manager.set_detail_until(self._detail_until)
 
     @property
     def settled(self) -> bool:
@@ -71,6 +77,17 @@ class TracingSource:
             return []
         manager.on_records = self.on_records
         return manager.sample(now_ns)
+
+    def open_detail(self, until_wall_ns: int) -> None:
+        """Have the tracers send per-call records until wall time `until_wall_ns` (a live capture request's end),
+        or later if an earlier call asked for later. Called on the capture's listener thread; never blocks on
+        a tracer's lock (one BPF map update each), never raises."""
+        until = int(until_wall_ns) - time.time_ns() + time.monotonic_ns()
+        with self._detail_lock:  # held while setting: a later, shorter request must not lower the gate
+            self._detail_until = max(self._detail_until, until)
+            manager = self.manager
+            if manager is not None:
+                manager.set_detail_until(self._detail_until)
 
     def stats(self) -> dict:
         manager = self.manager

@@ -26,6 +26,7 @@ def test_configured_identity_rules_decide_tenant_and_job():
     ({"FLEETSCOPE_SAMPLE_INTERVAL_S": "0.01"}, "must lie in"),
     ({"FLEETSCOPE_PARTITIONS": "many"}, "partitions"),
     ({"FLEETSCOPE_NVML": "maybe"}, "true/false"),
+    ({"FLEETSCOPE_TRACE_CAPTURE_ANOMALIES": "sometimes"}, "trace_capture_anomalies='sometimes': expected true/false"),
 ])
 def test_bad_values_are_clear_errors(env, message):
     with pytest.raises(ConfigError, match=message):
@@ -35,3 +36,13 @@ def test_bad_values_are_clear_errors(env, message):
 def test_missing_config_file_says_which(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load(tmp_path / "nope.toml", env={})
+
+
+def test_anomaly_capture_is_on_by_default_and_the_file_or_environment_turns_it_off(tmp_path):
+    assert load(env={}).trace_capture_anomalies is True
+    assert load(env={"FLEETSCOPE_TRACE_CAPTURE_ANOMALIES": "off"}).trace_capture_anomalies is False
+    f = tmp_path / "fs.toml"
+    f.write_text("trace_capture_s = 30\ntrace_capture_anomalies = false\n")
+    cfg = load(f, env={})
+    assert (cfg.trace_capture_s, cfg.trace_capture_anomalies) == (30.0, False)
+    assert load(f, env={"FLEETSCOPE_TRACE_CAPTURE_ANOMALIES": "true"}).trace_capture_anomalies is True

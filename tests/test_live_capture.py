@@ -17,7 +17,7 @@ from importlib.resources import files
 
 import jsonschema
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 
 from fleetscope.capture_request import (CAPTURE_REQUEST_SCHEMA, CaptureRequest, CaptureRequestError, build_request,
                                         check_request, parse_request, publish_request)
@@ -28,6 +28,7 @@ from fleetscope.producers.trace_capture import TraceCapture
 from fleetscope.producers.tracers.manager import TracerManager
 from fleetscope.store import QueryEndpoint, open_store
 from support import gpu_fixtures as fixtures
+from support.capture_topics import read_published, start_rank
 from support.subscribed_sink import subscribed_sink
 
 make, stubs = fixtures.make, fixtures.stubs
@@ -39,25 +40,6 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs 
 def tracer_cls():  # the tracer the gpu fixtures make
     from fleetscope.producers.tracers.cuda import CudaTracer
     return CudaTracer
-
-
-def read_published(cfg, bootstrap: str, count: int, timeout_s: float = 60.0) -> list[dict]:
-    """The first `count` messages of `<prefix>.traces`, and a check that no more follow."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex[:6]}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
-    consumer.subscribe([cfg.topic("traces")])
-    got, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(got) < count:
-            assert time.monotonic() < deadline, f"{len(got)} of {count} captures on {cfg.topic('traces')}"
-            msg = consumer.poll(0.5)
-            if msg is not None and msg.error() is None:
-                got.append(json.loads(msg.value()))
-        more = consumer.poll(1.0)
-        assert more is None or more.error() is not None, more.value()[:200]
-    finally:
-        consumer.close()
-    return got
 
 
 def fields(**kw) -> dict:
@@ -143,17 +125,6 @@ def capturing_agent(make_tracer, cfg, bootstrap):
         assert time.monotonic() < deadline, "the capture never read the anomalies and control topics"
         time.sleep(0.05)
     return tracer, manager, capture
-
-
-def start_rank(make_workload, tracer, job: str, rank: int, iters: int):
-    """A stand-in rank that sleeps 4 ms in every cudaStreamSynchronize, traced and released."""
-    w = make_workload("cuda", iters, 0, late_load=True, env={
-        "GPU_STUB_DELAY_US": "cudaStreamSynchronize=4000", "FLEETSCOPE_JOB": job, "RANK": str(rank)})
-    w.load()
-    w.loaded()
-    assert tracer.add_pid(w.pid) is True
-    w.go()
-    return w
 
 
 def drain_into_store(cfg, bootstrap: str, want: int) -> list[dict]:

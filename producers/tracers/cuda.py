@@ -86,8 +86,9 @@ class CudaTracer(GpuCallTracer):
     PID_MAPS = ("stats", "launches", "memcpy_kind", "allocs", "mem", "nccl_sync")
     _HOST_STUB_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchCooperativeKernel")
 
-    def __init__(self, host: str, resolver=None, detail: bool = False, symbol_cap: int = 256, **kw):
-        super().__init__(host, resolver, detail=detail, **kw)
+    def __init__(self, host: str, resolver=None, detail: bool = False, symbol_cap: int = 256,
+                 detail_always: bool = True, **kw):
+        super().__init__(host, resolver, detail=detail, detail_always=detail_always, **kw)
         self.symbols = Symbolizer(cap=symbol_cap)
         self._prev_mem: dict[int, tuple[int, ...]] = {}
         self._prev_nccl_sync: dict[int, tuple[int, int]] = {}

@@ -19,6 +19,12 @@ shares a map between programs of one process by name: `_share_nccl_enqueued`
 makes it once per process, in a program of its own that is never unloaded, so
 either tracer may load first, alone, or again.
 
+Detail mode (detail=True, -DDETAIL) adds a ring buffer of per-call records, sent only while the BPF
+detail gate is open: until a CLOCK_MONOTONIC deadline set by `set_detail_until` (time.monotonic_ns()).
+With detail_always (the default) the gate opens for good at construction, as for capture around
+anomalies; without, it stays closed until a live capture request opens it for its span. The stats
+count every call either way.
+
 Per (pid, api) each sample emits <source>.calls, .dur_ns, .errors (deltas),
 .bytes (delta, for byte-moving APIs) and .lat_p50_ns/.lat_p99_ns (gauges over
 the interval's calls, from a quarter-octave histogram: a reported percentile
@@ -49,6 +55,7 @@ log = logging.getLogger(__name__)
 LAT_BUCKETS = 128  # GPU_LAT_BUCKETS in bpf/events.h
 _STATS_HEAD = 4    # calls, dur_ns, errors, bytes precede the histogram
 DRIVER_TAG = 1 << 63  # as in bpf/cuda.bpf.c: a driver call's cookie and in-flight key carry it
+DETAIL_FOREVER = 2**64 - 1  # the gate's deadline when it is open for the whole run
 NCCL_ENQUEUED_MAX = 65536  # threads with a collective not yet followed by a sync (LRU)
 _shared: dict[str, object] = {}
 _shared_lock = threading.Lock()
@@ -105,7 +112,8 @@ class GpuCallTracer:
     RETURN_PROBES: dict[str, str] = {}
     PID_MAPS: tuple[str, ...] = ("stats",)  # maps whose keys carry a pid, cleaned on remove_pid
 
-    def __init__(self, host: str, resolver=None, detail: bool = False, ring_pages: int = 1024):
+    def __init__(self, host: str, resolver=None, detail: bool = False, ring_pages: int = 1024,
+                 detail_always: bool = True):
         check_host(self.SOURCE)
         from bcc import BPF  # Debian's python3-bpfcc; the PyPI "bcc" is unrelated
         self.host, self.resolver, self.detail = host, resolver, detail
@@ -138,8 +146,30 @@ class GpuCallTracer:
         self._prev_lost = 0
         self.clock = MonotonicClock()
         self.records: list[dict] = []  # detail mode: the calls drained by the latest sample()
+        self.detail_until = 0  # the gate's deadline (monotonic ns) as last set; 0: closed
+        self._gate = None
+        self._said_no_detail = False
         if detail:
             self.bpf[b"calls"].open_ring_buffer(self._on_record)
+            self._gate = self.bpf[b"detail_until"]  # taken here: setting it later touches no bcc table cache
+            if detail_always:
+                self.set_detail_until(DETAIL_FOREVER)
+
+    def set_detail_until(self, monotonic_ns: int) -> bool:
+        """Send per-call records until CLOCK_MONOTONIC `monotonic_ns` (0 closes the gate). False, with nothing
+        set, when this tracer was built without detail mode or is closed. One BPF map update: safe beside the
+        tracer's other calls without its lock."""
+        gate = self._gate
+        if gate is None or self.bpf is None:
+            if not self.detail and not self._said_no_detail:
+                self._said_no_detail = True
+                log.warning("%s tracer: built without detail mode (trace_capture_s = 0), so it has no per-call "
+                            "records to switch on", self.SOURCE)
+            return False
+        value = min(max(int(monotonic_ns), 0), DETAIL_FOREVER)
+        gate[gate.Key(0)] = gate.Leaf(value)
+        self.detail_until = value
+        return True
 
     # -- targets -------------------------------------------------------------
     def add_pid(self, pid: int) -> bool:
@@ -337,6 +367,7 @@ class GpuCallTracer:
         if hasattr(self, "links"):
             self.links.close()
             self._attached.clear()
+        self._gate = None
         bpf, self.bpf = getattr(self, "bpf", None), None
         if bpf is not None:
             bpf.cleanup()
@@ -352,4 +383,4 @@ def _key_pid(k) -> int:
     return int(k.pid) if hasattr(k, "pid") else int(k.value)
 
 
-__all__ = ["Api", "GpuCallTracer", "bucket_value", "percentile"]
+__all__ = ["DETAIL_FOREVER", "Api", "GpuCallTracer", "bucket_value", "percentile"]

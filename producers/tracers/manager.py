@@ -52,6 +52,7 @@ class TracerManager:
         self.locks = {name: threading.RLock() for name in self.tracers}  # one call per tracer at a time
         self.deferred = 0
         self.on_records = None  # (tracer name, its detail records) after each sample: the anomaly capture
+        # the other way, set_detail_until opens the tracers' detail records for a live capture request
         if hit_cost_ns is None:
             hit_cost_ns = cfg.trace_hit_cost_ns or self._calibrate()
         self.hit_cost_ns = hit_cost_ns
@@ -219,6 +220,21 @@ class TracerManager:
             if batch is not None and batch is not FAILED:
                 batches.append(batch)
         return batches
+
+    def set_detail_until(self, monotonic_ns: int) -> int:
+        """Open every detail-mode tracer's per-call records until CLOCK_MONOTONIC `monotonic_ns`; how many were
+        set. Not under the tracers' locks: an attach may hold one for seconds, and setting the gate is one BPF
+        map update that bcc does beside the tracer's other calls. Never raises (logged, counted)."""
+        done = 0
+        for name, tracer in self.tracers.items():
+            if not getattr(tracer, "detail", False) or not hasattr(tracer, "set_detail_until"):
+                continue
+            try:
+                done += bool(tracer.set_detail_until(monotonic_ns))
+            except Exception:  # closed under us at stop, or the map refused: the tick goes on
+                self.errors += 1
+                log.exception("opening the detail records of the %s tracer failed", name)
+        return done
 
     def stats(self) -> dict:
         out = {"trace_targets": len(set().union(*self.attached.values())) if self.attached else 0,

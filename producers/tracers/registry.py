@@ -25,11 +25,13 @@ class TracerEntry:
     options: dict[str, str] = field(default_factory=dict)  # constructor keyword -> Config field
 
 
+_DETAIL = {"detail": "trace_capture_s", "detail_always": "trace_capture_anomalies"}
 TRACERS: dict[str, TracerEntry] = {
     "kernel": TracerEntry("kernel", "KernelTracer", sample_frac=False),  # tracepoints, never duty-cycled
-    # detail mode (per-call records) while the agent captures around anomalies: trace_capture_s > 0 is true
-    "cuda": TracerEntry("cuda", "CudaTracer", sample_frac=True, options={"detail": "trace_capture_s"}),
-    "nccl": TracerEntry("nccl", "NcclTracer", sample_frac=True, options={"detail": "trace_capture_s"}),
+    # detail mode (per-call records) while the agent captures (trace_capture_s > 0 is true); its gate open for the
+    # whole run with trace_capture_anomalies, else opened by live capture requests (producers/trace_capture.py)
+    "cuda": TracerEntry("cuda", "CudaTracer", sample_frac=True, options=_DETAIL),
+    "nccl": TracerEntry("nccl", "NcclTracer", sample_frac=True, options=_DETAIL),
     "python": TracerEntry("python_vm", "PythonTracer", sample_frac=True, options={"prefixes": "trace_python_prefixes"}),
     "torch": TracerEntry("torch_ops", "TorchTracer", sample_frac=True),
     # sampled stacks through py-spy: any CPython 3.9-3.14, USDT or not

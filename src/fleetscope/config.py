@@ -157,6 +157,10 @@ class Config:
     # on an anomaly of a rank it hosts publishes that rank's window (± one window) to <prefix>.traces. 0: off.
     trace_capture_s: float = 0.0
     trace_capture_max_records: int = 100_000
+    # With trace_capture_s > 0: True, the tracers send per-call records all the time and anomalies are captured;
+    # False, they send them only during live capture requests' spans (the per-call cost is paid only then) and
+    # anomalies are not captured. The ring (trace_capture_s) still holds what requests are cut from.
+    trace_capture_anomalies: bool = True
     # Live capture requests (`fleetscope trace --live`, <prefix>.control): the longest span one may ask for, in
     # seconds. The command refuses longer ones, and an agent counts them invalid (capture_requests_invalid).
     trace_request_max_s: float = 300.0
@@ -244,7 +248,7 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_TRACE_BUDGET": "trace_budget", "FLEETSCOPE_TRACE_DUTY_PERIOD_S": "trace_duty_period_s",
     "FLEETSCOPE_TRACE_HIT_COST_NS": "trace_hit_cost_ns", "FLEETSCOPE_TRACE_PYTHON_PREFIXES": "trace_python_prefixes",
     "FLEETSCOPE_TRACE_CAPTURE_S": "trace_capture_s", "FLEETSCOPE_TRACE_CAPTURE_MAX_RECORDS": "trace_capture_max_records",
-    "FLEETSCOPE_TRACE_REQUEST_MAX_S": "trace_request_max_s",
+    "FLEETSCOPE_TRACE_REQUEST_MAX_S": "trace_request_max_s", "FLEETSCOPE_TRACE_CAPTURE_ANOMALIES": "trace_capture_anomalies",
     "FLEETSCOPE_SPOOL_MAX_BATCHES": "spool_max_batches", "FLEETSCOPE_SPOOL_MAX_BYTES": "spool_max_bytes",
     "FLEETSCOPE_SPOOL_DIR": "spool_dir", "FLEETSCOPE_SPOOL_DIR_MAX_BYTES": "spool_dir_max_bytes",
     "FLEETSCOPE_KAFKA_MESSAGE_MAX_BYTES": "kafka_message_max_bytes",

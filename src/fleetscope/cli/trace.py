@@ -15,9 +15,10 @@ store until trace_events holds calls of the job in the span (or N + 30 s have pa
 Agents with `trace_capture_s > 0` answer, from the calls they keep anyway; each publishes the span in pieces of
 at most half its ring (producers/trace_capture.py).
 
-Not done here: the tracers' detail mode is compiled into their BPF and is on for an agent's whole run when
-trace_capture_s > 0; it cannot be switched on for N seconds in a running agent, so an agent without capture
-answers no request (the command then says so after its deadline).
+Agents with trace_capture_s > 0 answer: their tracers' per-call records are on for the whole run
+(trace_capture_anomalies, the default), or switched on by the request for its span (trace_capture_anomalies
+off). An agent with trace_capture_s = 0 has no detail mode and answers no request (the command then says so
+after its deadline).
 """
 from __future__ import annotations
 

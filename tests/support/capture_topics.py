@@ -1,0 +1,38 @@
+"""What the capture tests share: a stand-in rank the CUDA tracer follows, and `<prefix>.traces` read back."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from confluent_kafka import Consumer
+
+
+def start_rank(make_workload, tracer, job: str, rank: int, iters: int):
+    """A stand-in rank that sleeps 4 ms in every cudaStreamSynchronize, traced and released."""
+    w = make_workload("cuda", iters, 0, late_load=True, env={
+        "GPU_STUB_DELAY_US": "cudaStreamSynchronize=4000", "FLEETSCOPE_JOB": job, "RANK": str(rank)})
+    w.load()
+    w.loaded()
+    assert tracer.add_pid(w.pid) is True
+    w.go()
+    return w
+
+
+def read_published(cfg, bootstrap: str, count: int, timeout_s: float = 60.0) -> list[dict]:
+    """The first `count` messages of `<prefix>.traces`, and a check that no more follow."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex[:6]}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer.subscribe([cfg.topic("traces")])
+    got, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(got) < count:
+            assert time.monotonic() < deadline, f"{len(got)} of {count} captures on {cfg.topic('traces')}"
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got.append(json.loads(msg.value()))
+        more = consumer.poll(1.0)
+        assert more is None or more.error() is not None, more.value()[:200]
+    finally:
+        consumer.close()
+    return got
