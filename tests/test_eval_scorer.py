@@ -4,6 +4,7 @@ arithmetic is what is under test, not the detector."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import replace
 
 import pytest
@@ -183,8 +184,8 @@ def test_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(HAVE_MPL, reason="matplotlib is installed")
-def test_plot_without_matplotlib_says_what_to_install(tmp_path):
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails, installed or not
     with pytest.raises(PlotUnavailable, match="needs matplotlib"):
         plot_scores(FAULT, [], tmp_path / "run.png")
 
