@@ -47,9 +47,9 @@ def calibrate_hit_cost_ns(calls: int = 20000, timeout_s: float = 60.0) -> float:
     try:
         untraced = float(child.stdout.readline())
         bpf = BPF(text=_EMPTY_PAIR, cflags=["-Wno-everything"])
-        libc = _libc_path(child.pid)
-        bpf.attach_uprobe(name=libc, sym="getppid", fn_name="on_entry", pid=child.pid)
-        bpf.attach_uretprobe(name=libc, sym="getppid", fn_name="on_return", pid=child.pid)
+        libc = _libc_path(child.pid).encode()  # bcc takes bytes (str is deprecated there)
+        bpf.attach_uprobe(name=libc, sym=b"getppid", fn_name=b"on_entry", pid=child.pid)
+        bpf.attach_uretprobe(name=libc, sym=b"getppid", fn_name=b"on_return", pid=child.pid)
         child.stdin.write("go\n")
         child.stdin.flush()
         deadline = time.monotonic() + timeout_s

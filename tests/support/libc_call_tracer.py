@@ -53,10 +53,10 @@ class LibcCallTracer:
     def remove_pid(self, pid: int) -> None:
         libc = self.pids.pop(pid, None)
         if libc and self.on:
-            self.bpf.detach_uprobe(name=libc, sym="getppid", pid=pid)
+            self.bpf.detach_uprobe(name=libc.encode(), sym=b"getppid", pid=pid)
 
     def _attach(self, pid):
-        self.bpf.attach_uprobe(name=self.pids[pid], sym="getppid", fn_name="on_call", pid=pid)
+        self.bpf.attach_uprobe(name=self.pids[pid].encode(), sym=b"getppid", fn_name=b"on_call", pid=pid)
 
     def set_family_enabled(self, family: str, on: bool) -> None:
         if on == self.on:
@@ -66,7 +66,7 @@ class LibcCallTracer:
             if on:
                 self._attach(pid)
             else:
-                self.bpf.detach_uprobe(name=libc, sym="getppid", pid=pid)
+                self.bpf.detach_uprobe(name=libc.encode(), sym=b"getppid", pid=pid)
         if not on:
             self.on_s += time.monotonic() - self.on_since
         self.on_since = time.monotonic()
