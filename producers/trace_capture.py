@@ -18,9 +18,9 @@ a rank it hosts, that rank's window of them on `<prefix>.traces` (fleetscope/tra
   into pieces of at most half the ring's keep time (so the ring still holds a piece when it is due); each is
   due at its end plus the settle time, and then each rank of the job this host holds calls of in that piece
   gets a `<prefix>.traces` capture exactly like an anomaly's (window_start_ns/window_end_ns = the piece). A
-  job without ranks here publishes nothing. The trace message has no field for the request id (its schema is
-  closed), so captures carry the piece, not the request. Invalid requests are logged and counted
-  (`capture_requests_invalid`), valid ones counted (`capture_requests`).
+  job without ranks here publishes nothing. Each piece carries the request's `request_id` (captures around
+  anomalies carry none), so the store can tell which request a capture answered. Invalid requests are logged
+  and counted (`capture_requests_invalid`), valid ones counted (`capture_requests`).
 - Detail mode is compiled into the tracers' BPF (DETAIL) while trace_capture_s > 0, behind a runtime gate (a
   CLOCK_MONOTONIC deadline in a BPF array, bpf/gpu_calls.bpf.c): records are sent only while it is open.
   With trace_capture_anomalies (the default) the tracers open it for the whole run at their start, and
@@ -301,7 +301,7 @@ class TraceCapture:
     def _capture_piece(self, req: CaptureRequest, start: int, end: int) -> None:
         for key, calls in sorted(self.ring.windows(req.matches, start, end).items()):
             head = {"tenant": key[0], "job": key[1], "host": self.cfg.host, "rank": key[2], "window_start_ns": start,
-                    "window_end_ns": end, "from_ns": start, "to_ns": end}
+                    "window_end_ns": end, "from_ns": start, "to_ns": end, "request_id": req.request_id}
             self._publish(head, calls)
             self.request_pieces += 1
             log.info("captured %d calls of %s rank %d in [%d, %d] for request %s", len(calls), key[1], key[2],

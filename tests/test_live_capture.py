@@ -21,14 +21,16 @@ from confluent_kafka import Producer
 
 from fleetscope.capture_request import (CAPTURE_REQUEST_SCHEMA, CaptureRequest, CaptureRequestError, build_request,
                                         check_request, parse_request, publish_request)
-from fleetscope.cli.trace import LIVE_GRACE_S, wait_for_calls
+from fleetscope.cli.trace import LIVE_GRACE_S, read_stored, wait_for_calls
 from fleetscope.producers.agent import identity_rules
 from fleetscope.producers.identity import IdentityResolver
 from fleetscope.producers.trace_capture import TraceCapture
 from fleetscope.producers.tracers.manager import TracerManager
 from fleetscope.store import QueryEndpoint, open_store
+from fleetscope.streams.sink.trace_rows import trace_events_rows
+from fleetscope.trace_message import trace_messages
 from support import gpu_fixtures as fixtures
-from support.capture_topics import read_published, start_rank
+from support.capture_topics import capture_piece, read_published, start_rank
 from support.subscribed_sink import subscribed_sink
 
 make, stubs = fixtures.make, fixtures.stubs
@@ -113,6 +115,22 @@ def test_waiting_for_calls_ends_at_its_deadline_on_a_store_without_them(store):
     assert now[0] <= NOW + 10**9 + (LIVE_GRACE_S + 1) * 1e9 and max(slept) <= 0.5
 
 
+def test_a_request_waits_for_and_exports_its_own_calls_only(store):
+    """Beside the request's piece, the store holds calls of the same job, rank and span that an anomaly's capture
+    and another user's request brought: the command counts and exports the request's own, the stored path all."""
+    for k, (request_id, n) in enumerate((("mine", 3), (None, 4), ("theirs", 5))):  # interleaved, distinct calls
+        head, calls = capture_piece("train", 0, [NOW + i * 10**6 + k for i in range(n)], request_id=request_id)
+        pieces = [(json.loads(value), NOW) for _, value in trace_messages(head, calls, 1 << 20)]
+        store.insert("trace_events", trace_events_rows(pieces))
+    params = {"job": "train", "tenant": "", "rank": 0, "since_ns": NOW, "until_ns": NOW + 10**9}
+    late = lambda: NOW + int((LIVE_GRACE_S + 1) * 1e9)  # noqa: E731  past the deadline: it counts once, at once
+    assert wait_for_calls(store, {**params, "request_id": "mine"}, NOW, clock_ns=late) == 3
+    assert len(read_stored(store, {**params, "request_id": "mine"}, False)["calls"]) == 3
+    assert wait_for_calls(store, {**params, "request_id": "theirs"}, NOW, clock_ns=late) == 5
+    assert wait_for_calls(store, params, NOW, clock_ns=late) == 12  # without one: any capture's, as the stored path
+    assert len(read_stored(store, {**params, "request_id": ""}, False)["calls"]) == 12
+
+
 def capturing_agent(make_tracer, cfg, bootstrap):
     """(tracer, manager, capture): the CUDA tracer in detail mode, the agent's manager (not started: the test
     ticks it) handing its records to a started capture that reads the anomalies and control topics."""
@@ -138,7 +156,8 @@ def drain_into_store(cfg, bootstrap: str, want: int) -> list[dict]:
             stored = int(store.query("SELECT count() AS n FROM trace_events").as_dicts()[0]["n"])
         sink.consumer.close()
         return store.query("SELECT tenant, job, host, rank, pid, tid, api, toUnixTimestamp64Nano(ts) AS ts_ns, dur_ns,"
-                           " toUnixTimestamp64Milli(window_start) AS w_ms FROM trace_events FINAL").as_dicts()
+                           " toUnixTimestamp64Milli(window_start) AS w_ms, request_id FROM trace_events FINAL"
+                           ).as_dicts()
     finally:
         store.close()
 
@@ -194,6 +213,7 @@ def test_a_request_publishes_the_jobs_calls_in_pieces_which_the_sink_stores(make
     schema = json.loads(files("fleetscope.schemas").joinpath("trace.schema.json").read_text())
     for m in got:
         jsonschema.validate(m, schema)  # a piece is a trace/1 message like an anomaly's capture
+        assert m["request_id"] == req.request_id  # the request it answers, in every piece and part
         assert (m["tenant"], m["job"], m["host"], m["rank"]) == (cfg.default_tenant, job, cfg.host, 0)
         assert (m["from_ns"], m["to_ns"]) == (m["window_start_ns"], m["window_end_ns"])
         assert all(m["from_ns"] <= c["ts_ns"] <= m["to_ns"] for c in m["calls"])
@@ -207,6 +227,7 @@ def test_a_request_publishes_the_jobs_calls_in_pieces_which_the_sink_stores(make
         {(cfg.default_tenant, job, cfg.host, 0)}
     assert {(int(r["pid"]), int(r["tid"]), r["api"], int(r["ts_ns"]), int(r["dur_ns"])) for r in rows} == want
     assert {int(r["w_ms"]) for r in rows} == {start // 10**6 for start, _ in pieces}  # filed under their pieces
+    assert {r["request_id"] for r in rows} == {req.request_id}
 
 
 @needs_root
@@ -239,7 +260,8 @@ def test_trace_live_requests_waits_and_exports_the_span(make, pipeline_cfg, brok
         assert f"requested 2 s of calls of job {job} (rank 1) from the agents" in stdout
         assert capture.requests == 1 and capture.request_pieces >= 1 and capture.errors == 0
         trace_events = store.query("SELECT min(toUnixTimestamp64Nano(ts)) AS lo, max(toUnixTimestamp64Nano(ts)) "
-                                   "AS hi, count() AS n FROM trace_events FINAL").as_dicts()[0]
+                                   "AS hi, count() AS n, groupUniqArray(request_id) AS ids FROM trace_events FINAL"
+                                   ).as_dicts()[0]
     finally:
         endpoint.stop()
         store.close()
@@ -247,6 +269,7 @@ def test_trace_live_requests_waits_and_exports_the_span(make, pipeline_cfg, brok
         manager.close()
     assert int(trace_events["n"]) > 0 and int(trace_events["hi"]) - int(trace_events["lo"]) <= 2 * 10**9
     assert f"{int(trace_events['n'])} calls, 0 anomaly windows" in stdout, stdout
+    assert len(trace_events["ids"]) == 1 and f"(request {trace_events['ids'][0]})" in stdout  # the request's own
     spans = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] == "cuda"]
     assert len(spans) == int(trace_events["n"]) and {e["pid"] for e in spans} == {1}
     assert all(int(trace_events["lo"]) / 1000 <= e["ts"] <= int(trace_events["hi"]) / 1000 for e in spans)

@@ -3,11 +3,13 @@ stand-in ranks (src/fleetscope/eval/gpu_stub: this machine has no GPU; everythin
 ring buffer, /proc identities), sampled through the real TracerManager into the capture's ring; an anomaly of
 one rank on the embedded broker; `<prefix>.traces` read back; the real sink storing it in chDB's trace_events;
 and `fleetscope trace` putting those calls on the timeline with the tracer's own durations.
-The ring's bounds are checked on their own, with a clock the test moves."""
+The ring's bounds are checked on their own, with a clock the test moves; the message's parts, the sink's
+request_id (a live request's piece against an anomaly's capture) and its migration on their own too."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,11 +26,19 @@ from fleetscope.producers.identity import IdentityResolver
 from fleetscope.producers.trace_capture import CallRing, TraceCapture
 from fleetscope.producers.tracers.manager import TracerManager
 from fleetscope.store import open_store
-from fleetscope.trace_message import TRACE_SCHEMA
+from fleetscope.store.migrations import apply, discover
+from fleetscope.streams.sink.trace_rows import trace_events_rows
+from fleetscope.trace_message import TRACE_SCHEMA, trace_messages
 from support import gpu_fixtures as fixtures
+from support.capture_topics import capture_piece
 from support.subscribed_sink import subscribed_sink
 
 make, stubs = fixtures.make, fixtures.stubs
+NOW = 1_800_000_000_000_000_000  # in the future, so the store's TTL keeps it
+
+
+def trace_schema() -> dict:
+    return json.loads(files("fleetscope.schemas").joinpath("trace.schema.json").read_text())
 
 
 def test_the_ring_is_bounded_by_age_and_by_count_and_counts_what_it_drops():
@@ -133,9 +143,10 @@ def test_an_anomaly_publishes_its_ranks_window_which_the_sink_stores_and_trace_e
         publish_anomaly(producer, cfg, cfg.host, tenant, job, 1, start)  # a replay: captured once
 
         got = read_traces(cfg, broker.bootstrap, len(want))
-        schema = json.loads(files("fleetscope.schemas").joinpath("trace.schema.json").read_text())
+        schema = trace_schema()
         for m, headers in got:
             jsonschema.validate(m, schema)
+            assert "request_id" not in m  # no request asked for it
             assert headers["fs-schema"] == TRACE_SCHEMA.encode()
             assert (m["tenant"], m["job"], m["host"], m["rank"], m["window_start_ns"]) == \
                 (tenant, job, cfg.host, 1, start)
@@ -160,12 +171,12 @@ def test_an_anomaly_publishes_its_ranks_window_which_the_sink_stores_and_trace_e
             stored = int(store.query("SELECT count() AS n FROM trace_events").as_dicts()[0]["n"])
         sink.consumer.close()
         rows = store.query("SELECT tenant, job, host, rank, pid, tid, api, toUnixTimestamp64Nano(ts) AS ts_ns, "
-                           "dur_ns, args FROM trace_events FINAL").as_dicts()
+                           "dur_ns, args, request_id FROM trace_events FINAL").as_dicts()
     finally:
         store.close()  # the CLI opens the data directory in its own process
     assert {(r["tenant"], r["job"], r["host"], int(r["rank"])) for r in rows} == {(tenant, job, cfg.host, 1)}
     assert {(int(r["pid"]), int(r["tid"]), r["api"], int(r["ts_ns"]), int(r["dur_ns"])) for r in rows} == want
-    assert len(rows) == len(want)
+    assert len(rows) == len(want) and {r["request_id"] for r in rows} == {""}  # a capture around an anomaly
 
     out = tmp_path / "trace.json"
     run = subprocess.run([sys.executable, "-m", "fleetscope", "trace", "--job", job, "--rank", "1", "--seconds", "60",
@@ -208,3 +219,84 @@ def test_a_failing_record_is_counted_never_raised(pipeline_cfg, broker):
         assert capture.stats()["capture_errors"] == 1
     finally:
         capture.close()
+
+
+@pytest.mark.parametrize("request_id", ["r1", "x" * 1500])
+def test_every_part_carries_the_request_id_and_stays_under_the_limit(request_id):
+    schema = trace_schema()
+    head, calls = capture_piece("train", 3, [NOW + i * 1000 for i in range(300)], request_id=request_id)
+    max_bytes = 6000  # parts of a few dozen calls; a long id leaves fewer per part, none over the limit
+    out = trace_messages(head, calls, max_bytes)
+    parts = [json.loads(value) for _, value in out]
+    assert len(parts) > 3 and all(len(value) <= max_bytes for _, value in out)
+    assert [(m["part"], m["parts"]) for m in parts] == [(i, len(parts)) for i in range(len(parts))]
+    assert [c for m in parts for c in m["calls"]] == calls
+    for m in parts:
+        assert m["request_id"] == request_id and {k: m[k] for k in head} == head
+        jsonschema.validate(m, schema)
+    anomaly = {k: v for k, v in parts[0].items() if k != "request_id"}
+    jsonschema.validate(anomaly, schema)  # a capture around an anomaly has none
+    for bad in ("", 7, None):
+        with pytest.raises(jsonschema.ValidationError) as err:
+            jsonschema.validate({**anomaly, "request_id": bad}, schema)
+        assert list(err.value.path) == ["request_id"]
+
+
+def test_the_sink_stores_a_pieces_request_id_and_empty_for_an_anomalys_capture(pipeline_cfg, broker, store):
+    cfg = replace(pipeline_cfg, kafka=broker.bootstrap)
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    producer = Producer({"bootstrap.servers": broker.bootstrap})
+    for head, calls in (capture_piece(job, 0, [NOW + i for i in range(3)], request_id="req-1"),
+                        capture_piece(job, 1, [NOW + i for i in range(2)])):
+        for key, value in trace_messages(head, calls, cfg.kafka_message_max_bytes):
+            producer.produce(cfg.topic("traces"), value=value, key=key, headers=[("fs-schema", TRACE_SCHEMA.encode())])
+    assert producer.flush(10) == 0
+    sink = subscribed_sink(cfg, store, broker.bootstrap)
+    try:
+        deadline, stored = time.monotonic() + 60, 0
+        while stored < 5:
+            assert time.monotonic() < deadline, f"{stored} of 5 calls stored"
+            sink.step(0.5)
+            stored = int(store.query("SELECT count() AS n FROM trace_events").as_dicts()[0]["n"])
+    finally:
+        sink.consumer.close()
+    rows = store.query("SELECT rank, request_id, count() AS n FROM trace_events FINAL WHERE job = {job:String} "
+                       "GROUP BY rank, request_id", {"job": job}).as_dicts()
+    assert {(int(r["rank"]), r["request_id"]): int(r["n"]) for r in rows} == {(0, "req-1"): 3, (1, ""): 2}
+    assert sink.writer.stats.store_rejected == 0
+
+
+def test_the_request_id_column_comes_with_a_fresh_store_and_to_one_migrated_to_012(tmp_path):
+    at_012 = tmp_path / "sql"
+    at_012.mkdir()
+    for version, path in discover():
+        if version <= 12:
+            shutil.copy(path, at_012 / path.name)
+    head, calls = capture_piece("train", 0, [NOW, NOW + 1000])
+    anomaly = json.loads(trace_messages(head, calls, 1 << 20)[0][1])
+    piece = json.loads(trace_messages({**head, "request_id": "req-1"}, calls, 1 << 20)[0][1])
+    store = open_store(tmp_path / "upgraded", clickhouse_url=None, prefer_endpoint=False)
+    try:
+        assert apply(store, store.database, store.ttl_days, at_012)[-1] == "012_trace_events"
+        old = trace_events_rows([(anomaly, NOW)])
+        del old["request_id"]  # as a sink from before 013 wrote them
+        store.insert("trace_events", old)
+        applied = store.migrate()
+        assert applied[0] == "013_trace_events_request_id" and all(int(name[:3]) > 12 for name in applied)
+        assert store.column_types("trace_events")["request_id"] == "String"
+        store.insert("trace_events", trace_events_rows([({**piece, "rank": 1}, NOW)]))
+        rows = store.query("SELECT rank, request_id, count() AS n FROM trace_events GROUP BY rank, request_id")
+        assert {(int(r["rank"]), r["request_id"]): int(r["n"]) for r in rows.as_dicts()} == {(0, ""): 2,
+                                                                                            (1, "req-1"): 2}
+    finally:
+        store.close()
+    store = open_store(tmp_path / "fresh", clickhouse_url=None, prefer_endpoint=False)
+    try:
+        assert "013_trace_events_request_id" in store.migrate()
+        column = store.query("SELECT type, default_expression, comment FROM system.columns WHERE database = "
+                             "{db:String} AND table = 'trace_events' AND name = 'request_id'",
+                             {"db": store.database}).as_dicts()
+        assert [(c["type"], c["default_expression"]) for c in column] == [("String", "''")]
+        assert "live capture request" in column[0]["comment"]
+    finally:
+        store.close()

@@ -4,6 +4,8 @@ JSON, like the other event-like derived topics (anomalies, diagnoses), not Arrow
 capture is rare (one per anomaly of a rank), its records differ per API (a launch has grid and block, a
 collective bytes, count, datatype and op), and its readers are the sink and timeline tools, not a columnar
 pipeline. Each message carries `fs-schema: trace/1` (schemas/trace.schema.json) and the key tenant/job.
+A piece that answers a live capture request (fleetscope/capture_request.py) carries its `request_id`; a capture
+around an anomaly has none.
 
 A capture larger than a Kafka message is split into parts (`part` of `parts`), each under the producer's
 message limit; a single call never is.
@@ -26,7 +28,8 @@ def call_of(record: dict, source: str) -> dict:
 
 def trace_messages(head: dict, calls: list[dict], max_bytes: int) -> list[tuple[bytes, bytes]]:
     """(key, value) of each part: `head` (tenant, job, host, rank, window_start_ns, window_end_ns, from_ns,
-    to_ns) with part, parts and as many calls as fit under max_bytes."""
+    to_ns, and request_id when a request asked for it) with part, parts and as many calls as fit under
+    max_bytes. Every part repeats the whole head, and the budget for its calls is what the head leaves."""
     budget = max(max_bytes - len(json.dumps(head)) - HEAD_ROOM, 1)
     groups: list[list[str]] = [[]]
     used = 0

@@ -1,4 +1,5 @@
-"""What the capture tests share: a stand-in rank the CUDA tracer follows, and `<prefix>.traces` read back."""
+"""What the capture tests share: a stand-in rank the CUDA tracer follows, `<prefix>.traces` read back, and
+made-up captures (a live request's piece, an anomaly's capture) for the sink and the store."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,8 @@ import time
 import uuid
 
 from confluent_kafka import Consumer
+
+from fleetscope.trace_message import call_of
 
 
 def start_rank(make_workload, tracer, job: str, rank: int, iters: int):
@@ -36,3 +39,17 @@ def read_published(cfg, bootstrap: str, count: int, timeout_s: float = 60.0) -> 
     finally:
         consumer.close()
     return got
+
+
+def capture_piece(job: str, rank: int, ts_ns: list[int], request_id: str | None = None, tenant: str = "acme",
+                  host: str = "node-1") -> tuple[dict, list[dict]]:
+    """(head, calls) for trace_message.trace_messages: one 1 us cudaLaunchKernel of rank's process per ts_ns,
+    the span they cover as window and span; a live request's piece with request_id, else an anomaly's capture."""
+    lo, hi = min(ts_ns), max(ts_ns)
+    head = {"tenant": tenant, "job": job, "host": host, "rank": rank, "window_start_ns": lo, "window_end_ns": hi,
+            "from_ns": lo, "to_ns": hi}
+    if request_id is not None:
+        head["request_id"] = request_id
+    calls = [call_of({"api": "cudaLaunchKernel", "pid": 1000 + rank, "tid": 7, "ts_ns": t, "dur_ns": 1000,
+                      "kernel": "gemm", "grid": (4, 1, 1)}, "cuda") for t in ts_ns]
+    return head, calls

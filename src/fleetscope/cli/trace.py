@@ -11,7 +11,9 @@ is what a capture around it holds.
 
 With --live it asks the agents for the job's next N seconds instead: it publishes a capture request
 (fleetscope/capture_request.py) for [now, now + N] on `<prefix>.control`, waits for the span to end, polls the
-store until trace_events holds calls of the job in the span (or N + 30 s have passed), and exports the span.
+store until trace_events holds calls the agents captured for this request (or N + 30 s have passed), and
+exports them: a capture around an anomaly of the job, or another request's for the same job, in the same span
+is neither counted nor exported (trace_events.request_id).
 Agents with `trace_capture_s > 0` answer, from the calls they keep anyway; each publishes the span in pieces of
 at most half its ring (producers/trace_capture.py).
 
@@ -67,6 +69,7 @@ FROM trace_events FINAL
 WHERE job = {job:String} AND ({tenant:String} = '' OR tenant = {tenant:String})
   AND ({rank:Int32} < 0 OR rank = {rank:Int32})
   AND ts >= fromUnixTimestamp64Nano({since_ns:Int64}) AND ts < fromUnixTimestamp64Nano({until_ns:Int64})
+  AND ({request_id:String} = '' OR request_id = {request_id:String})
 """
 CALLS_SQL = """
 SELECT rank, host, source, api, pid, tid, toUnixTimestamp64Nano(ts) AS ts_ns, dur_ns, args""" + CALLS_WHERE + """\
@@ -149,11 +152,18 @@ def job_params(args) -> dict:
     return {"job": args.job, "tenant": args.tenant or "", "rank": args.rank if args.rank is not None else -1}
 
 
+def calls_params(params: dict) -> dict:
+    """`params` for CALLS_SQL and CALLS_COUNT_SQL: their request_id, if any, takes only the calls captured for that
+    live request; without one (or '') the calls of any capture."""
+    return {"request_id": "", **params}
+
+
 def read_stored(store, params: dict, with_pids: bool) -> dict:
-    """What the timeline takes from the store for `params` (job, tenant, rank, since_ns, until_ns)."""
+    """What the timeline takes from the store for `params` (job, tenant, rank, since_ns, until_ns, and
+    request_id: the calls of that live capture request only; '' for those of any capture)."""
     return {"rows": store.read_query(ROWS_SQL, params).as_dicts(),
             "anomalies": store.read_query(ANOMALIES_SQL, params).as_dicts(),
-            "calls": store.read_query(CALLS_SQL, params).as_dicts(),
+            "calls": store.read_query(CALLS_SQL, calls_params(params)).as_dicts(),
             "pids": store.read_query(PIDS_SQL, params).as_dicts() if with_pids else []}
 
 
@@ -202,6 +212,7 @@ def live_trace(args, cfg) -> int:
             print(f"fleetscope trace: {exc}", file=sys.stderr)
             return 1
         params["since_ns"], params["until_ns"] = req.from_ns, req.to_ns + 1
+        params["request_id"] = req.request_id  # its own calls: not an anomaly's capture, nor another request's
         which = "all ranks" if req.rank < 0 else f"rank {req.rank}"
         print(f"requested {args.seconds:g} s of calls of job {req.job} ({which}) from the agents (request "
               f"{req.request_id}); waiting for the span to end and the agents to publish it ...", flush=True)
@@ -230,7 +241,7 @@ def wait_for_calls(store, params: dict, settled_ns: int, clock_ns=time.time_ns, 
         sleep(min(LIVE_POLL_S, (settled_ns - clock_ns()) / 1e9))
     last = -1
     while True:
-        n = int(store.read_query(CALLS_COUNT_SQL, params).as_dicts()[0]["n"])
+        n = int(store.read_query(CALLS_COUNT_SQL, calls_params(params)).as_dicts()[0]["n"])
         if n and n == last:
             return n
         if clock_ns() >= deadline:
