@@ -171,6 +171,7 @@ def test_replaced_and_closed_producers_are_freed_not_left_reconnecting(outage_br
     the Publisher that held it: a cycle Python cannot collect. Each replaced producer then lived (and dialled
     the dead broker) for as long as the agent did, and so did a closed one."""
     import gc
+    gc.collect()  # earlier tests' garbage goes now, not in the middle of the counts below
     before = _librdkafka_instances()
     cfg = Config(data_dir=tmp_path, host="node-o", topic_prefix=TOPIC_PREFIX)
     pub = Publisher(cfg, outage_broker.bootstrap, extra_conf={"message.timeout.ms": 500})
@@ -179,7 +180,9 @@ def test_replaced_and_closed_producers_are_freed_not_left_reconnecting(outage_br
         pub.publish(numbered_batch(i))
     publish_until(pub, lambda: pub.stats.producer_restarts >= 2, what="the outage to replace the producer twice")
     gc.collect()
-    assert _librdkafka_instances() == before + 1  # the replaced ones are gone, the current one is alive
+    # The replaced ones are gone, the current one is alive. At most: a client an earlier test left may still be
+    # ending on its own (seen in a loaded CI run: one fewer than before), which must not fail this test.
+    assert _librdkafka_instances() <= before + 1
     assert pub.close(timeout_s=0.2) == 5 and pub.stats.dropped_batches == 5
     del pub
     gc.collect()
