@@ -42,6 +42,13 @@ def test_impact_is_measured_against_quiet_windows_and_small_changes_are_no_effec
     assert m["effect"] is None and m["impact_pct"] is None  # nothing before it: not measured
 
 
+def test_a_job_that_steps_faster_during_a_fault_shows_no_effect_not_one_to_detect():
+    # the faults are inefficiencies: a rise of the step rate while one runs is not its impact
+    rates = {0: [10.0, 10.2, 9.8, 10.0, 11.0, 11.1, 10.9, 10.0]}
+    m = fault_impact(rates, 1.0, [(3.0, 7.0)], (0,), quiet_before={0, 1, 2}, onset_windows=1)
+    assert m["impact_pct"] == pytest.approx(10.0, abs=1.0) and m["effect"] is False
+
+
 def test_a_crash_is_measured_over_the_rest_of_the_run_not_its_one_second(tmp_path):
     from fleetscope.eval.runner import measure_impacts
     from fleetscope.eval.scenario import load_scenario
