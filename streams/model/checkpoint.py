@@ -26,11 +26,25 @@ from fleetscope.streams.model import state_archive
 from fleetscope.streams.model.config import ModelConfig
 from fleetscope.streams.model.state_archive import MAGIC, CheckpointError
 
-__all__ = ["MAGIC", "CheckpointError", "dump", "load"]
+__all__ = ["MAGIC", "CheckpointError", "JobPart", "dump", "load"]
 FORMAT_VERSION = 4   # 2: HalfSpaceTrees as arrays (1 held river's trees as a pickle: never read again);
 #                      3: every detector's state under "det_<name>/", the model's own under "model";
 #                      4: the job's other detectors as parts (3 is still read: it has none, they relearn)
 READABLE = (3, 4)
+
+
+class JobPart:
+    """One job's share of a detector that keeps many jobs, as a part: the owner has
+    ``state(job) -> (meta, arrays)`` and ``load(job, meta, arrays)``."""
+
+    def __init__(self, owner, job: tuple[str, str]):
+        self.owner, self.job = owner, job
+
+    def state(self):
+        return self.owner.state(self.job)
+
+    def load(self, meta, arrays) -> None:
+        self.owner.load(self.job, meta, arrays)
 
 
 def dump(model, parts=None) -> bytes:

@@ -43,6 +43,8 @@ from typing import Mapping, Sequence
 import numpy as np
 from river.drift import ADWIN
 
+from fleetscope.streams.model.checkpoint import JobPart
+
 DRIFT_FEATURES = (("cuda_mem_live_bytes", "cuda_mem_growth_bytes_per_s"),
                   ("proc_rss_bytes", "proc_rss_growth_bytes_per_s"))
 DRIFT_NAMES = tuple(name for name, _ in DRIFT_FEATURES)
@@ -69,19 +71,6 @@ def new_adwin() -> ADWIN:
     return ADWIN(delta=0.002, grace_period=5, min_window_length=3, clock=1)
 
 
-class DriftPart:
-    """One job's series of MemoryDrift, as a checkpoint part (model/checkpoint.py)."""
-
-    def __init__(self, drift: "MemoryDrift", job: tuple[str, str]):
-        self.drift, self.job = drift, job
-
-    def state(self):
-        return self.drift.state(self.job)
-
-    def load(self, meta, arrays) -> None:
-        self.drift.load(self.job, meta, arrays)
-
-
 class MemoryDrift:
     def __init__(self, span: int = 8, grow_share: float = 0.75, min_growth: float = 8 * 2**20,
                  capacity: int = 100_000, warmup: int = 30, min_duration_s: float = 5.0):
@@ -94,8 +83,8 @@ class MemoryDrift:
         self.series: dict[tuple, _Series] = {}
         self.counts = {"changes": 0, "drifting_rows": 0}
 
-    def part(self, job: tuple[str, str]) -> DriftPart:
-        return DriftPart(self, job)
+    def part(self, job: tuple[str, str]) -> JobPart:
+        return JobPart(self, job)
 
     def state(self, job: tuple[str, str]) -> tuple[dict, dict[str, np.ndarray]]:
         """The job's series: hosts in the meta, everything else as arrays, one row per series."""

@@ -49,6 +49,8 @@ from typing import Mapping, Sequence
 import numpy as np
 from river.drift import PageHinkley
 
+from fleetscope.streams.model.checkpoint import JobPart
+
 RATE_FEATURES = ("nccl_calls_per_s", "torch_comm_waits_per_s")
 OFU_FEATURE = "job_gpu_ofu"
 MAD_TO_SIGMA = 1.4826
@@ -126,19 +128,6 @@ def restore_page_hinkley(doc, threshold: float, arrays) -> PageHinkley:
     return ph
 
 
-class JobRatePart:
-    """One job's part of JobRates, as a checkpoint part (model/checkpoint.py)."""
-
-    def __init__(self, rates: "JobRates", job: tuple[str, str]):
-        self.rates, self.job = rates, job
-
-    def state(self):
-        return self.rates.state(self.job)
-
-    def load(self, meta, arrays) -> None:
-        self.rates.load(self.job, meta, arrays)
-
-
 class JobRates:
     def __init__(self, warmup: int = 10, z_enter: float = 6.0, z_exit: float = 3.0, history: int = 60,
                  regime_windows: int = 20, ph_threshold: float = 0.5, ofu_min_drop: float = 0.2):
@@ -153,8 +142,8 @@ class JobRates:
         self.newest: dict[tuple[str, str], int] = {}
         self.counts = {"windows": 0, "flagged": 0, "drifts": 0, "regimes": 0, "ofu_windows": 0, "ofu_flagged": 0}
 
-    def part(self, job: tuple[str, str]) -> JobRatePart:
-        return JobRatePart(self, job)
+    def part(self, job: tuple[str, str]) -> JobPart:
+        return JobPart(self, job)
 
     def state(self, job: tuple[str, str]) -> tuple[dict, dict[str, np.ndarray]]:
         """The job's histories, change counters and Page-Hinkley sums: plain numbers and arrays."""
