@@ -39,6 +39,7 @@ from fleetscope.wire import Batch, StrColumn
 from fleetscope.streams.model import JobModel, ModelConfig
 from fleetscope.streams.model.ensemble import DETECTORS, Rule
 from fleetscope.streams.model.config import WindowScore
+from fleetscope.streams.model.confirmation import UNCONFIRMED, AlertConfirmation, parse_confirm
 from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
 from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
@@ -80,6 +81,7 @@ class ScoringStats:
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
+    unconfirmed: int = 0  # flagged rank-windows not (yet) flagged in K of their rank's last N (model/confirmation.py)
 
 
 class Scorer:
@@ -103,6 +105,7 @@ class Scorer:
         self.context = RankContext()
         self.loud = LoudFailures()
         self.node_flags = NodeFlags()
+        self.confirmation = AlertConfirmation(*parse_confirm(cfg.alert_confirm), window_ns=int(cfg.window_s * 1e9))
         self.drift = MemoryDrift(warmup=self.model_config.warmup_windows)   # start-up growth is not a leak
         self.job_rates = JobRates(warmup=max(self.model_config.warmup_windows, 5),
                                   regime_windows=self.model_config.regime_windows)
@@ -123,7 +126,8 @@ class Scorer:
         """The job's detectors outside its model, saved and restored with it (model/checkpoint.py)."""
         if tenant == NODE_TENANT:
             return {}
-        return {"job_rate": self.job_rates.part((tenant, job)), "drift": self.drift.part((tenant, job))}
+        return {"job_rate": self.job_rates.part((tenant, job)), "drift": self.drift.part((tenant, job)),
+                "confirmation": self.confirmation.part((tenant, job))}
 
     def config_for(self, tenant: str) -> ModelConfig:
         """A node's model has one row per window: a longer warm-up (model/node.py)."""
@@ -276,6 +280,7 @@ class Scorer:
             self.stats.job_ofu_flags += 1
         self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z)
         self._unflag_job_alike(results, roles, loud_rows)
+        self._confirm(members, start, results, roles, loud_rows)
         culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
                           | {g.key[3] for g, _, _ in ghosts})
         for i, ((w, _), s) in enumerate(zip(members, results)):
@@ -286,6 +291,17 @@ class Scorer:
         for ghost, s, features in ghosts:
             scored.append((ghost, s, CULPRIT))
             flagged.append((ghost, s, features, CULPRIT, culprits, {}, features))
+
+    def _confirm(self, members, start, results, roles, loud_rows) -> None:
+        """A rank-window stays flagged once its rank was flagged in K of its last N windows; loud rows alert
+        at once (model/confirmation.py). The others are stored unflagged, detector ``unconfirmed``."""
+        for i, ((w, _), s) in enumerate(zip(members, results)):
+            if self.confirmation.confirm(w.key, start, s.is_anomaly) or not s.is_anomaly or i in loud_rows:
+                continue
+            s.is_anomaly = False
+            s.detectors.append(UNCONFIRMED)
+            roles[i] = ""
+            self.stats.unconfirmed += 1
 
     def _unflag_job_alike(self, results, roles, loud_rows) -> None:
         """Every rank flagged alike by its own model, with no rank waiting for another and neither the job's

@@ -70,6 +70,9 @@ class Config:
     step_hold_s: float = 3.0
     warmup_windows: int = 30
     detect_rule: str = "gmm or peer"  # which detectors decide: gmm, peer, hst, mahalanobis with and/or
+    # A flagged rank-window is an anomaly once its rank is flagged in K of its last N windows ("1 of 1": every
+    # flag); loud failures alert at once (streams/model/confirmation.py)
+    alert_confirm: str = "3 of 5"
     model_checkpoint_s: float = 30.0
     # Delivery: events more than this far ahead of the worker's clock go to the DLQ (as do those
     # older than ttl_days); a store outage is logged once per store_error_log_s with a count;
@@ -236,7 +239,8 @@ _ENV = {  # env var -> field
     "FLEETSCOPE_PROC_SAMPLING": "proc_sampling", "FLEETSCOPE_PROC_INTERVAL_S": "proc_interval_s",
     "FLEETSCOPE_DEFAULT_TENANT": "default_tenant", "FLEETSCOPE_JOB_ENV": "job_env",
     "FLEETSCOPE_STEP_HOLD_S": "step_hold_s", "FLEETSCOPE_WARMUP_WINDOWS": "warmup_windows",
-    "FLEETSCOPE_DETECT_RULE": "detect_rule", "FLEETSCOPE_MODEL_CHECKPOINT_S": "model_checkpoint_s",
+    "FLEETSCOPE_DETECT_RULE": "detect_rule", "FLEETSCOPE_ALERT_CONFIRM": "alert_confirm",
+    "FLEETSCOPE_MODEL_CHECKPOINT_S": "model_checkpoint_s",
     "FLEETSCOPE_MAX_FUTURE_SKEW_S": "max_future_skew_s", "FLEETSCOPE_STORE_ERROR_LOG_S": "store_error_log_s",
     "FLEETSCOPE_IDLE_EVICT_S": "idle_evict_s", "FLEETSCOPE_SINK_MAX_ROWS_PER_INSERT": "sink_max_rows_per_insert",
     **{f"FLEETSCOPE_{name.upper()}": name for name in (
