@@ -106,3 +106,6 @@ def test_the_short_straggler_is_detected_on_its_rank(straggler_run):
                                                      f"{(tmp_path / 'run.log').read_text()[-3000:]}")
     assert s["detection_delay_windows"] <= 6, s  # within 3 s of the quota starting
     assert s["recall"] >= 0.5 and s["precision"] >= 0.5, s
+    # the rules compared on the run: one whose detectors this worker did not run says so, with no recall
+    rules = result["rules"]
+    assert "f1" in rules["gmm or peer"] and set(rules["hst"]) == {"not_run"}, rules

@@ -147,13 +147,16 @@ def rules_summary(ran: dict[str, dict]) -> dict:
         tp = fp = fn = hfp = hall = 0
         for r in ran.values():
             x = r.get("rules", {}).get(rule)
-            if x is None:
+            if x is None or "not_run" in x:
                 continue
             if r["healthy"]:
                 hfp += x["fp"]
                 hall += r["score"]["fp"] + r["score"]["tn"]  # the negatives do not depend on the rule
             else:
                 tp, fp, fn = tp + x["tp"], fp + x["fp"], fn + x["fn"]
+        if not any("not_run" not in r.get("rules", {}).get(rule, {"not_run": ""}) for r in ran.values()):
+            out[rule] = {"not_run": "no run ran its detectors"}
+            continue
         p = tp / (tp + fp) if tp + fp else None
         rc = tp / (tp + fn) if tp + fn else None
         out[rule] = {"precision": p, "recall": rc, "f1": 2 * p * rc / (p + rc) if p and rc else None,

@@ -410,7 +410,7 @@ def measure_impacts(s: Scenario, rates: dict[int, list], window_s: float, n_wind
     return out
 
 
-def evaluate(s: Scenario, truth: Truth, t0: float, data: dict) -> tuple[dict, list]:
+def evaluate(s: Scenario, truth: Truth, t0: float, data: dict, detect_rule: str) -> tuple[dict, list]:
     """Score the collected rows; returns the per-scenario result body and the window results."""
     from fleetscope.eval.fingerprints import run_fingerprint_metrics
     w = truth.window_s
@@ -430,7 +430,7 @@ def evaluate(s: Scenario, truth: Truth, t0: float, data: dict) -> tuple[dict, li
     flagged = sorted({(r, window_of(ws, t0, w), role) for r, ws, _, _, a, _, role in data["scores"] if a})
     return {"score": strict.as_dict(), "score_lenient": lenient.as_dict(),
             "roles_in_store": data.get("has_role", False),
-            "rules": compare_rules(truth, data["scores"], t0, g),
+            "rules": compare_rules(truth, data["scores"], t0, g, ran_detectors(detect_rule)),
             "fingerprint_metrics": run_fingerprint_metrics(truth, t0, data, **g),
             "flagged_windows": [{"rank": r, "window": k, "t_s": round(k * w, 3), "role": role or None}
                                 for r, k, role in flagged],
@@ -446,11 +446,24 @@ RULES = ("gmm or peer", "gmm", "peer", "hst", "mahalanobis", "gmm and mahalanobi
          "2 of gmm,peer,hst,mahalanobis")
 
 
-def compare_rules(truth: Truth, scores, t0: float, grace: dict) -> dict:
+def ran_detectors(detect_rule: str) -> set[str]:
+    """The detectors a worker with this rule runs (streams/scoring.py: the rule's, the primary and peers)."""
+    from fleetscope.streams.model.detector_registry import ALWAYS_RUN
+    from fleetscope.streams.model.ensemble import Rule
+    return set(ALWAYS_RUN) | set(Rule.parse(detect_rule).names)
+
+
+def compare_rules(truth: Truth, scores, t0: float, grace: dict, ran: set[str]) -> dict:
+    """Each rule of RULES replayed on the run's flags; a rule needing a detector the run did not run is
+    "not run" (its flags are not known, so no recall of 0 is claimed for it)."""
     from fleetscope.streams.model.ensemble import Rule
     out = {}
     for text in RULES:
         rule = Rule.parse(text)
+        missing = sorted(set(rule.names) - ran)
+        if missing:
+            out[text] = {"not_run": f"detector(s) {', '.join(missing)} did not run in this worker"}
+            continue
         res = [WindowResult(rank=r, window=window_of(ws, t0, truth.window_s), flagged=rule.decide(set(dets)),
                             role=role or None)
                for r, ws, _, _, _, dets, role in scores]
@@ -500,7 +513,7 @@ def run_scenario(s: Scenario, opts: RunOptions) -> dict:
     impacts = measure_impacts(s, rates, run.window_s, base.n_windows)
     truth = replace(s.truth({i: m["effect"] for i, m in enumerate(impacts)}),
                     ranks=tuple(range(run.ranks)), window_s=run.window_s)
-    body, results = evaluate(s, truth, t0, data)
+    body, results = evaluate(s, truth, t0, data, run.cfg.detect_rule)
     faults = []
     for i, (f, m) in enumerate(zip(s.faults, impacts)):
         faults.append({"kind": f.kind, "target": f.target, "ranks": list(f.ranks), "strength": f.strength,
