@@ -169,4 +169,6 @@ def test_a_job_whose_ofu_falls_against_its_own_history_is_flagged_and_diagnosed_
     for r, entry in diag:
         best.setdefault(r, entry)
     assert best == {0: "ofu_regression", 1: "ofu_regression"}, diag
-    assert proc.snapshot()["model_job_ofu_flags"] == len(regressed)
+    # the first two regressed steps confirm it (alert_confirm "3 of 5"): flagged by job_ofu, stored unflagged
+    snap = proc.snapshot()
+    assert snap["model_job_ofu_flags"] == len(regressed) + 2 and snap["model_unconfirmed"] == 2 * 2, snap

@@ -545,13 +545,15 @@ def test_a_job_wide_slowdown_is_an_anomaly_of_the_job_though_no_rank_differs(sto
     roles = roles_of(store)
     slow = [w for w in range(ONSET, 39)]
     jobs = {(r, w) for (r, w), (a, role) in roles.items() if a and role == "job"}
-    assert {(r, ONSET) for r in range(RANKS)} <= jobs, sorted(jobs)          # in the window it starts
+    # confirmed in its third slow window (alert_confirm "3 of 5"), and flagged from there on
+    assert {(r, ONSET + CONFIRM_LAG) for r in range(RANKS)} <= jobs, sorted(jobs)
+    slow = slow[CONFIRM_LAG:]
     assert len(jobs & {(r, w) for r in range(RANKS) for w in slow}) >= 0.9 * RANKS * len(slow), sorted(jobs)
     assert not any(role == "culprit" for (r, w), (a, role) in roles.items() if a and w >= ONSET)
     before = [(r, w) for (r, w), (a, _) in roles.items() if a and w < ONSET and r >= 0]
     assert len(before) <= 0.02 * RANKS * (ONSET - WARMUP), before
     diag = q(store, f"SELECT kb_entry, evidence FROM diagnoses FINAL WHERE rank = 0 AND window_start = "
-                    f"fromUnixTimestamp64Nano(toInt64({T0 + ONSET * SEC})) ORDER BY confidence DESC")
+                    f"fromUnixTimestamp64Nano(toInt64({T0 + (ONSET + CONFIRM_LAG) * SEC})) ORDER BY confidence DESC")
     assert diag and diag[0][0] == "job_wide_slowdown", diag
     assert diag[0][1]["job_iteration_time_ratio"] == pytest.approx(20 / SLOW, rel=0.05)
 
@@ -601,7 +603,7 @@ def test_a_slow_leak_is_diagnosed_as_a_leak_and_not_learned_as_normal(store, tmp
         assert evidence["cuda_mem_growth_bytes_per_s"] == pytest.approx(10 * 2**20, rel=0.1)
     # not learned as the new normal: the leaking rank stays flagged in every window from the onset
     flagged = {window_of(ms) for r, ms, _, _ in rows if r == LEAK_RANK}
-    assert set(range(ONSET, 39)) <= flagged, sorted(flagged)
+    assert set(range(ONSET + CONFIRM_LAG, 39)) <= flagged, sorted(flagged)   # once its model's flags confirm
     assert proc.snapshot()["model_drifting"] == len(drift)
 
 
