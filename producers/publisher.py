@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from fleetscope import wire
 from fleetscope.config import Config
+from fleetscope.kafka_settings import release_producer
 from fleetscope.wire import Batch
 from fleetscope.producers.batch_split import encode_to_fit, split_by_job
 from fleetscope.producers.spool import DiskSpool, Pending
@@ -74,17 +75,6 @@ def _is_outage(err) -> bool:
                           KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND, KafkaError.LEADER_NOT_AVAILABLE,
                           KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.REQUEST_TIMED_OUT)
 
-
-def _discard(producer) -> None:
-    """Purge a producer and serve the purged messages' delivery reports. Each report holds its callback, and
-    the callback the Publisher, which holds the producer: a cycle through librdkafka that Python's collector
-    cannot see. Unserved, it kept every replaced or closed producer alive, its threads reconnecting to the
-    broker for as long as the agent ran. (The callbacks see a taken-back message and do nothing.)"""
-    try:
-        producer.purge(in_queue=True, in_flight=True, blocking=False)
-        producer.flush(1.0)
-    except Exception:  # noqa: BLE001 - the producer is being thrown away whatever it says
-        pass
 
 
 class Publisher:
@@ -286,7 +276,7 @@ class Publisher:
             self._push(item)
         self._in_flight.clear()
         self._paused = False
-        _discard(old)
+        release_producer(old)
         self.stats.producer_restarts += 1
         log.warning("replaced the Kafka producer after failed deliveries; %d messages will be resent in order",
                     len(self._waiting))
@@ -348,11 +338,11 @@ class Publisher:
         left = self.flush(timeout_s)
         with self._lock:
             if not left:
-                _discard(self._producer)
+                release_producer(self._producer)
                 return 0
             in_flight = list(self._in_flight.values())
             self._in_flight.clear()
-            _discard(self._producer)
+            release_producer(self._producer)
             held = in_flight + list(self._waiting)
             self._waiting, self._waiting_bytes = [], 0
             if self._disk is not None:

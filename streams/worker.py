@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from fleetscope.config import Config
-from fleetscope.kafka_settings import client_conf, output_producer_conf
+from fleetscope.kafka_settings import client_conf, output_producer_conf, release_producer
 from fleetscope.topics import MODEL_STATE, prepare_topics
 from fleetscope.streams.app import create_app, run_worker
 from fleetscope.streams.processor import StreamProcessor
@@ -49,6 +49,7 @@ def run_streams(cfg: Config, bootstrap: str) -> None:
                 processor.close()
             except Exception:
                 log.exception("final model checkpoint failed; the last periodic one stands")
+        release_producer(processor.producer)
         stats_file.stop()
         metrics.stop()
         states.close()

@@ -31,6 +31,7 @@ from fleetscope.wire import Batch, StrColumn, encode
 from fleetscope.streams.model_state import JobState
 from fleetscope.streams.outbox import Outbox
 from fleetscope.streams.processor import MessageRef, StreamProcessor
+from fleetscope.kafka_settings import release_producer
 from fleetscope.streams.worker import derived_producer, state_reader
 
 pytestmark = pytest.mark.integration
@@ -98,6 +99,7 @@ class Worker:
 
     def close(self) -> None:
         self.states.close()
+        release_producer(self.proc.producer)   # as run_streams does: no client left reconnecting
 
 
 def read_topic(bootstrap: str, topic: str) -> list:

@@ -72,7 +72,11 @@ class Window:
     def err(self) -> Path:
         """py-spy's stderr, in a file beside its output: a pipe's read end once read back None (EAGAIN) in a
         loaded CI run and so raised inside the agent's tick; a file read after the process ended cannot."""
-        return self.out.with_suffix(".err")
+        return err_path(self.out)
+
+
+def err_path(out: Path) -> Path:
+    return out.with_suffix(".err")
 
 
 def py_spy_error(stderr: str) -> str:
@@ -193,7 +197,7 @@ class PythonSampler:
         out = self._dir / f"{pid}-{time.monotonic_ns()}.txt"
         cmd = [self.py_spy, "record", "--pid", str(pid), "--rate", str(self.rate_hz), "--nonblocking",
                "--format", "raw", "--full-filenames", "--duration", str(self.window_s), "-o", str(out)]
-        with open(out.with_suffix(".err"), "wb") as err:
+        with open(err_path(out), "wb") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
         return Window(proc, out, time.time_ns())
 

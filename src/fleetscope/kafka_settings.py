@@ -150,6 +150,19 @@ _AUTH_ERRORS = {"_AUTHENTICATION", "SASL_AUTHENTICATION_FAILED", "TOPIC_AUTHORIZ
 _TLS_ERRORS = {"_SSL"}
 
 
+def release_producer(producer) -> None:
+    """Purge a producer that is being thrown away and serve the purged messages' delivery reports. Each report
+    holds its callback, and a callback its owner (the agent's Publisher, the worker's StreamProcessor), which holds
+    the producer: a cycle through librdkafka that Python's collector cannot see. Unserved, it kept every replaced
+    or closed producer alive, its threads reconnecting to the broker for as long as the process ran. (The
+    callbacks see a taken-back message and do nothing.)"""
+    try:
+        producer.purge(in_queue=True, in_flight=True, blocking=False)
+        producer.flush(1.0)
+    except Exception:  # noqa: BLE001 - the producer is being thrown away whatever it says
+        pass
+
+
 def is_fatal_at_start(error_name: str) -> bool:
     """A refusal that waiting will not cure: report it at once instead of retrying to the deadline."""
     return error_name in _AUTH_ERRORS or error_name in _TLS_ERRORS
