@@ -11,6 +11,7 @@ only, so a restarted one would lose them.
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -33,6 +34,7 @@ from fleetscope.streams.outbox import Outbox
 from fleetscope.streams.processor import MessageRef, StreamProcessor
 from fleetscope.kafka_settings import release_producer
 from fleetscope.streams.worker import derived_producer, state_reader
+from support.kafka_clients import librdkafka_instances, wait_for_clients_at_most
 
 pytestmark = pytest.mark.integration
 
@@ -284,3 +286,30 @@ def test_a_producer_that_failed_for_good_stops_the_worker_instead_of_resending_f
         assert producer.sent == sent
     finally:
         w.close()
+
+
+def test_a_stopped_worker_leaves_no_kafka_client_behind(tmp_path, own_broker):
+    """The worker stops while its outputs wait for a frozen broker. Each waiting message's delivery callback holds
+    the processor, which holds the producer: a cycle through librdkafka that Python's collector cannot see.
+    Stopping as run_streams does (release_producer) frees the producer and its threads; before, it stayed
+    alive, reconnecting, for as long as the process ran (an in-process `fleetscope up` stack, these tests)."""
+    gc.collect()  # earlier tests' garbage goes now, not in the middle of the counts below
+    before = librdkafka_instances()
+    cfg = worker_cfg(tmp_path, own_broker.bootstrap)
+    w = Worker(cfg, derived_producer(cfg, own_broker.bootstrap))
+    assert librdkafka_instances() >= before + 2  # its producer and its state reader
+    for k in range(6):  # the job's state is read and its first windows go out while the broker answers
+        w.tick(k)
+    w.settle(lambda: w.acked, 30, "the first windows' acks")
+    os.kill(own_broker.pid, signal.SIGSTOP)
+    try:
+        for k in range(6, 12):
+            w.tick(k)
+        w.flush(force=True)
+        assert len(w.proc.producer) > 0  # outputs waiting, their callbacks holding the processor
+        w.close()
+        del w
+        gc.collect()
+        wait_for_clients_at_most(before)
+    finally:
+        os.kill(own_broker.pid, signal.SIGCONT)

@@ -15,6 +15,7 @@ from fleetscope.schema import node_identity
 from fleetscope.topics import ensure_topics
 from fleetscope.wire import Batch, StrColumn
 from fleetscope.producers.publisher import Publisher
+from support.kafka_clients import librdkafka_instances, wait_for_clients_at_most
 from support.raw_topic import read_batches
 
 TOPIC_PREFIX = "outage"
@@ -154,25 +155,13 @@ def test_the_spool_directory_is_bounded_and_its_drops_counted(outage_broker, tmp
     pub.close(0)
 
 
-def _librdkafka_instances() -> int:
-    """Live librdkafka clients in this process: each runs one thread named rdk:main."""
-    import glob
-    names = []
-    for comm in glob.glob("/proc/self/task/*/comm"):
-        try:
-            names.append(open(comm).read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
-    return names.count("rdk:main")
-
-
 def test_replaced_and_closed_producers_are_freed_not_left_reconnecting(outage_broker, tmp_path):
     """Before, a producer purged during an outage kept its purged messages' delivery callbacks, and through them
     the Publisher that held it: a cycle Python cannot collect. Each replaced producer then lived (and dialled
     the dead broker) for as long as the agent did, and so did a closed one."""
     import gc
     gc.collect()  # earlier tests' garbage goes now, not in the middle of the counts below
-    before = _librdkafka_instances()
+    before = librdkafka_instances()
     cfg = Config(data_dir=tmp_path, host="node-o", topic_prefix=TOPIC_PREFIX)
     pub = Publisher(cfg, outage_broker.bootstrap, extra_conf={"message.timeout.ms": 500})
     outage_broker.stop()
@@ -182,11 +171,8 @@ def test_replaced_and_closed_producers_are_freed_not_left_reconnecting(outage_br
     gc.collect()
     # The replaced ones are gone, the current one is alive. At most: a client an earlier test left may still be
     # ending on its own (seen in a loaded CI run: one fewer than before), which must not fail this test.
-    assert _librdkafka_instances() <= before + 1
+    assert librdkafka_instances() <= before + 1
     assert pub.close(timeout_s=0.2) == 5 and pub.stats.dropped_batches == 5
     del pub
     gc.collect()
-    deadline = time.monotonic() + 10
-    while _librdkafka_instances() > before:
-        assert time.monotonic() < deadline, f"{_librdkafka_instances() - before} librdkafka clients left alive"
-        time.sleep(0.05)
+    wait_for_clients_at_most(before)

@@ -1,0 +1,25 @@
+"""How many librdkafka clients this test process holds: each client runs one thread named rdk:main, so a
+client that was dropped but never freed (a reference cycle through its delivery callbacks) shows here."""
+from __future__ import annotations
+
+import glob
+import time
+
+
+def librdkafka_instances() -> int:
+    names = []
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(comm) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("rdk:main")
+
+
+def wait_for_clients_at_most(limit: int, timeout_s: float = 10.0) -> None:
+    """librdkafka ends a freed client's threads asynchronously: wait (bounded) for the count to fall."""
+    deadline = time.monotonic() + timeout_s
+    while librdkafka_instances() > limit:
+        assert time.monotonic() < deadline, f"{librdkafka_instances() - limit} librdkafka clients left alive"
+        time.sleep(0.05)
