@@ -63,7 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-drain-s", type=float, default=90.0, help="give up waiting for a backlog after this")
     ap.add_argument("--refine", type=int, default=1, help="midpoint steps between the last pass and first fail")
     ap.add_argument("--feature-poll-s", type=float, default=0.25, help="how often stored feature rows are looked for")
-    ap.add_argument("--ranks", default="1000,1500,2000,3000", help="ranks steps (stops at the first over the p99)")
+    ap.add_argument("--ranks", default="250,500,1000,1500,2000,3000", help="ranks steps (stops at the first over the p99)")
     ap.add_argument("--ranks-p99-s", type=float, default=0.5)
     ap.add_argument("--ranks-windows", type=int, default=24)
     ap.add_argument("--ranks-warmup", type=int, default=8)
