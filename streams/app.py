@@ -14,6 +14,7 @@ import signal
 import threading
 
 import faust
+from faust.types import TP
 
 from fleetscope.kafka_settings import KafkaSecurity
 from fleetscope.topics import RAW_SOURCES
@@ -22,6 +23,17 @@ from fleetscope.streams.flusher import BackgroundFlusher
 from fleetscope.streams.processor import MessageRef, StreamProcessor
 
 log = logging.getLogger(__name__)
+
+
+def highwater(app: faust.App, msg) -> int | None:
+    """The message's partition's end offset as the consumer last fetched it: the windows do not take a key
+    for silent while the worker is behind on its partition (windows.py). None when not known (not fetched yet,
+    or the partition left this worker meanwhile)."""
+    try:
+        end = app.consumer.highwater(TP(msg.topic, msg.partition))
+    except Exception:  # noqa: BLE001 - advisory (aiokafka asserts the partition is still assigned): unknown,
+        return None    # and counted as partition_end_unknown, never a reason to stop consuming
+    return end if isinstance(end, int) else None
 
 
 def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
@@ -55,7 +67,7 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
         async for event in stream.noack().events():
             msg = event.message
             ref = MessageRef(msg.topic, msg.partition, msg.offset, ack=event.ack,
-                             timestamp_ms=int((msg.timestamp or 0) * 1000))
+                             timestamp_ms=int((msg.timestamp or 0) * 1000), highwater=highwater(app, msg))
             processor.handle(event.value, event.headers, ref, key=msg.key)
             await flusher.maybe_flush()
 

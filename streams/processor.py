@@ -86,6 +86,7 @@ class MessageRef:
     offset: int
     ack: Callable[[], None] = lambda: None
     timestamp_ms: int = 0  # the broker's timestamp: with the offset, it names the message across broker runs
+    highwater: int | None = None  # the partition's end offset as the consumer last saw it (None: not known)
     pending: int = 0
     acked: bool = False
 
@@ -636,6 +637,7 @@ class StreamProcessor:
                  late_events=ws.late_events, revoked_windows=self.revoked_windows, replayed_events=ws.replayed_events,
                  unacked_messages=len(self._pending_refs), unstored_jobs=len(self._waiting),
                  keys=len(self.windows.keys), evicted_keys=ws.evicted_keys, evicted_models=self.evicted_models,
+                 partitions_behind=self.windows.partitions_behind, partition_end_unknown=ws.partition_end_unknown,
                  store_down_s=(self.clock() - self.store_outage.down_since
                                if self.store_outage.down_since is not None else 0.0))
         return s

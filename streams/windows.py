@@ -6,6 +6,17 @@ window_end + allowed lateness, or, for a key that stopped sending, after
 `idle_close_s` of wall time. The wall clock never decides which window an
 event belongs to; it only flushes windows nobody will add to.
 
+A key is not taken as silent while the worker is behind on a partition that
+fed it (its last message there was not the partition's newest, as the
+consumer last saw the partition's end) and the messages read from that
+partition since do not span idle_close_s of broker time after the key's last
+one. A worker that stalls on a backlog (a slow flush on a loaded machine, a
+rebalance) would otherwise close windows whose events are still queued, and
+drop those events as late. A partition that keeps flowing a little behind its
+end (the consumer prefetches) still shows a silent key within idle_close_s of
+its traffic. Such a key waits BEHIND_IDLE_FACTOR times longer at most, so a
+partition the consumer never returns to cannot hold its windows forever.
+
 Adding a batch only does the bookkeeping (which windows, lateness, series
 numbers) and logs its rows; the windows' aggregates are computed when they
 close, for all closing windows in one vectorized pass (see `fold_rows`). The
@@ -82,6 +93,9 @@ class Window:
         return sum(rates) if rates else None
 
 
+BEHIND_IDLE_FACTOR = 6  # a key fed by a partition the worker is behind on closes as idle after this many idle_close_s
+
+
 @dataclass
 class WindowStats:
     windows_closed: int = 0
@@ -89,6 +103,8 @@ class WindowStats:
     replayed_events: int = 0  # for windows already stored before a restart
     mark_lookup_failures: int = 0  # the store did not answer "newest stored window" for a new key
     evicted_keys: int = 0
+    partition_end_unknown: int = 0  # messages handled without their partition's end (highwater): idle closing
+                                    # cannot tell a backlog from silence for them
 
 
 @dataclass
@@ -100,6 +116,13 @@ class _KeyState:
     last_seen: float = 0.0
     ask_store_at: float = 0.0  # when to ask for stored_upto again, after the store did not answer
     partitions: set = field(default_factory=set)  # (topic, partition) that fed this key: whose owner it follows
+    last_broker_ms: int = 0  # the broker timestamp of its newest message (0: not known)
+
+
+@dataclass
+class _PartitionPosition:
+    behind: bool = False  # the last message handled was not the partition's newest
+    newest_broker_ms: int = 0  # the newest broker timestamp handled from it (0: not known)
 
 
 class RowLog:
@@ -164,6 +187,46 @@ class WindowAssembler:
         self._slots = 0
         self._code_names: dict[int, tuple] = {}  # series code -> its keys in Window._series
         self._replayed: list[Window] = []  # open windows found already stored once their key's mark was known
+        self._positions: dict[tuple, _PartitionPosition] = {}  # (topic, partition) -> where the worker is in it
+
+    def _note_position(self, fed_by: tuple, message_ref) -> int:
+        """Whether the partition holds messages after this one (the consumer's last known end of it), and how
+        far its broker time has come. Returns the message's broker timestamp (0: not known)."""
+        pos = self._positions.get(fed_by)
+        if pos is None:
+            pos = self._positions[fed_by] = _PartitionPosition()
+        highwater = getattr(message_ref, "highwater", None)
+        offset = getattr(message_ref, "offset", None)
+        if highwater is None or offset is None:
+            self.stats.partition_end_unknown += 1
+            pos.behind = False  # not known: taken as caught up, as before
+        else:
+            pos.behind = offset + 1 < highwater
+        broker_ms = int(getattr(message_ref, "timestamp_ms", 0) or 0)
+        pos.newest_broker_ms = max(pos.newest_broker_ms, broker_ms)
+        return broker_ms
+
+    @property
+    def partitions_behind(self) -> int:
+        return sum(pos.behind for pos in self._positions.values())
+
+    def _silent(self, state: _KeyState, now: float) -> bool:
+        """The key sent nothing for idle_close_s of wall time, and, on each partition that fed it and that the
+        worker is behind on, for idle_close_s of that partition's broker time (BEHIND_IDLE_FACTOR times
+        idle_close_s of wall time at most)."""
+        quiet = now - state.last_seen
+        if quiet < self.idle_close_s:
+            return False
+        if quiet >= BEHIND_IDLE_FACTOR * self.idle_close_s:
+            return True
+        for p in state.partitions:
+            pos = self._positions.get(p)
+            if pos is None or not pos.behind:
+                continue
+            passed = state.last_broker_ms and pos.newest_broker_ms - state.last_broker_ms >= self.idle_close_s * 1000
+            if not passed:  # its next messages may be among those not read yet
+                return False
+        return True
 
     def _state(self, key: StreamKey) -> _KeyState:
         state = self.keys.get(key)
@@ -215,6 +278,8 @@ class WindowAssembler:
         self._aggregate(dropped, remove=True)  # drops their rows from the log
         for k in keys:
             self.keys.pop(k, None)
+        for p in partitions:
+            self._positions.pop(p, None)
         return dropped, keys
 
     def add(self, batch: Batch, message_ref) -> list[Window]:
@@ -236,11 +301,13 @@ class WindowAssembler:
         now = self.clock()
         slots, key_ids, counts = [], [], []
         fed_by = (getattr(message_ref, "topic", None), getattr(message_ref, "partition", None))
+        broker_ms = self._note_position(fed_by, message_ref)
         for (t, j, r, w, count, max_ts) in groups:
             key = (tenant.values[t], job.values[j], batch.host, r)
             state = self._state(key)
             state.last_seen = now
             state.partitions.add(fed_by)
+            state.last_broker_ms = max(state.last_broker_ms, broker_ms)
             if max_ts > state.max_ts:
                 state.max_ts = max_ts
             start = w * self.window_ns
@@ -340,7 +407,7 @@ class WindowAssembler:
         closed, replayed = [], []
         for (key, start), window in list(self.open.items()):
             state = self.keys[key]
-            idle = now - state.last_seen >= self.idle_close_s
+            idle = self._silent(state, now)
             if force or idle or window.end_ns <= state.max_ts - self.lateness_ns:
                 if state.stored_upto is None:
                     self._ask_stored_mark(key, state)

@@ -36,11 +36,13 @@ COUNTERS = {
     "late_events": "events later than the allowed lateness", "evicted_keys": "idle window keys evicted",
     "model_scored": "rank-windows scored", "model_anomalies": "rank-windows flagged",
     "model_diagnoses": "diagnoses made", "model_checkpoints": "model checkpoints written",
+    "partition_end_unknown": "messages handled without their partition's end offset (idle closing cannot see a backlog)",
 }
 GAUGES = {
     "open_windows": "windows open", "waiting_windows": "closed windows waiting for their job's step",
     "unacked_messages": "consumed messages not yet acknowledged", "keys": "window keys held",
     "store_down_s": "seconds the store has been failing (0 while it works)",
+    "partitions_behind": "raw partitions with messages after the last one handled (their keys do not close as idle)",
 }
 ROLE_UNLABELLED = "unlabelled"  # the worker does not assign roles to windows yet
 

@@ -104,6 +104,10 @@ def test_agent_to_clickhouse_features_match_proc_stat(pipeline_cfg, embedded_sta
     # nothing the agent sent is missing from the store (its rank processes' proc rows carry their own jobs)
     assert raw_rows(stack, pipeline_cfg.host) == sent
     assert agent.publisher.stats.dropped_events == 0
+    # the Faust consumer told the worker where each message's partition ends (windows.py: idle closing waits
+    # for a backlog instead of dropping it as late); none was handled blind
+    workers = stack.worker_stats()
+    assert workers["messages_in"] > 0 and workers["partition_end_unknown"] == 0, workers
 
 
 def synthetic_host_batch(host: str, ts_ns: int) -> Batch:
