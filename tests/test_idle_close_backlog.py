@@ -7,7 +7,9 @@ from __future__ import annotations
 from fleetscope.streams.processor import MessageRef
 from fleetscope.streams.windows import BEHIND_IDLE_FACTOR
 
-from test_processor import SEC, T0, FakeClock, encode, host_batch, make_processor
+from fleetscope.wire import encode
+
+from support.host_processor import SEC, T0, FakeClock, host_batch, make_processor
 
 TOPIC = "fleetscope.raw.host"
 IDLE_S = 30  # make_processor's idle_close_s
