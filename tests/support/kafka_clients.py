@@ -3,7 +3,8 @@ client that was dropped but never freed (a reference cycle through its delivery 
 from __future__ import annotations
 
 import glob
-import time
+
+from support.processes import wait_until
 
 
 def librdkafka_instances() -> int:
@@ -19,7 +20,7 @@ def librdkafka_instances() -> int:
 
 def wait_for_clients_at_most(limit: int, timeout_s: float = 10.0) -> None:
     """librdkafka ends a freed client's threads asynchronously: wait (bounded) for the count to fall."""
-    deadline = time.monotonic() + timeout_s
-    while librdkafka_instances() > limit:
-        assert time.monotonic() < deadline, f"{librdkafka_instances() - limit} librdkafka clients left alive"
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: librdkafka_instances() <= limit, timeout_s)
+    except AssertionError:
+        raise AssertionError(f"{librdkafka_instances() - limit} librdkafka clients left alive") from None
