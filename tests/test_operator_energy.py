@@ -124,3 +124,18 @@ def _config_file(tmp_path):
     path = tmp_path / "fleetscope.toml"
     path.write_text(f'data_dir = "{tmp_path}"\n')
     return path
+
+
+def test_per_collective_settings_are_ratios_of_totals_when_a_window_has_collectives_and_no_ops(store, tmp_path):
+    """A job's last window holds one tick's all-reduces and no torch ops (as a partial window at a run's edge
+    does): ops per collective is every op over every collective, not a mean over the windows with ops divided
+    by a mean over the windows with collectives (150/55 = 2.73, where that gives 30 / (55/6) = 3.27)."""
+    from fleetscope.cli.energy import job_settings
+    proc = run_job(store, tmp_path, "edge", BASE, watts=200.0)  # 5 windows: 30 ops and 10 all-reduces each, per rank
+    for rank in (0, 1):
+        nccl_only = rank_batches("edge", rank, T0 + 6 * SEC + TICK, BASE, 200.0, sm_util=80.0)[2]
+        proc.handle(encode(nccl_only), None, MessageRef("fleetscope.raw.nccl", 0, 100 + rank))
+    proc.flush(force=True)
+    settings = job_settings(store, "t", "edge")
+    assert settings["windows"] == 12
+    assert settings["torch ops per collective"] == pytest.approx(150 / 55)

@@ -124,11 +124,21 @@ def test_worker_and_sink_count_dead_letters_by_reason_and_the_sink_its_rows(embe
     assert value(sink, "fleetscope_sink_records") >= 8
     assert value(sink, "fleetscope_sink_poll_plan_replays") == 0
     assert value(sink, "fleetscope_sink_commits") >= 1
-    # librdkafka's statistics come every LAG_STATS_MS and know a partition's lag from its first commit
-    lag = poll(lambda: (g := {s.labels["topic"]: s.value for s in
-                              scrape(sink_url).get("fleetscope_sink_consumer_lag_messages", ())})
-               and raw in g and derived in g and g, 60, "the consumer lag of the topics the sink committed")
-    assert lag[raw] == 0 and lag[derived] == 0 and all(v >= 0 for v in lag.values())  # all taken and committed
+    # librdkafka's statistics come every LAG_STATS_MS and know a partition's lag from its first commit. A
+    # statistics report can predate the sink's last commit (a loaded CI run read a lag of 1 once), so the lag
+    # is waited on until every message the test sent shows as taken and committed
+    lags = []
+
+    def committed_lag():
+        g = {s.labels["topic"]: s.value for s in scrape(sink_url).get("fleetscope_sink_consumer_lag_messages", ())}
+        lags.append(g)
+        return raw in g and derived in g and g[raw] == 0 and g[derived] == 0 and g
+
+    try:
+        lag = poll(committed_lag, 60, "a consumer lag of 0 on the topics the sink committed")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the last lags read: {lags[-3:]}") from None
+    assert all(v >= 0 for v in lag.values())
     assert [s for s in sink["fleetscope_sink_insert_seconds"] if s.name.endswith("_count")][0].value >= 1
     # the stored rows and dead letters are the ones counted
     assert stack.query("SELECT count() FROM dlq").rows[0][0] >= 6

@@ -184,16 +184,20 @@ def job_settings(store, tenant: str, job: str) -> dict[str, float]:
                        "AND gpu >= 0", p).rows
     out["GPUs"] = float(gpus[0][0]) if gpus else 0.0
     means = store.query(
-        "SELECT k, avg(v) FROM (SELECT arrayJoin(mapKeys(feature)) AS k, feature[k] AS v FROM features FINAL "
+        "SELECT k, avg(v), sum(v) FROM (SELECT arrayJoin(mapKeys(feature)) AS k, feature[k] AS v FROM features FINAL "
         "WHERE tenant = {t:String} AND job = {j:String}) GROUP BY k", p).rows
-    mean = {k: float(v) for k, v in means}
+    mean = {k: float(v) for k, v, _ in means}
+    total = {k: float(v) for k, _, v in means}
     for name in SETTINGS:
         if name in mean:
             out[name] = mean[name]
-    calls = mean.get("nccl_calls_per_s")
+    # Per collective: the ratio of totals over the job's windows (every window spans window_s, so a rate summed
+    # is a count), not of means: a means ratio divides by a mean over a different set of windows whenever a
+    # window has one feature and not the other (a partial first or last window with a collective and no launch)
+    calls = total.get("nccl_calls_per_s")
     for name, label in PER_COLLECTIVE.items():
-        if calls and name in mean:
-            out[label] = mean[name] / calls
+        if calls and name in total:
+            out[label] = total[name] / calls
     sources = store.query("SELECT groupUniqArrayArray(sources) FROM features FINAL "
                           "WHERE tenant = {t:String} AND job = {j:String}", p).rows
     out["sources: " + ",".join(sorted(sources[0][0] if sources else []))] = 1.0
