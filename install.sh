@@ -37,6 +37,8 @@ if [ "$can_system" = 1 ]; then
   dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc)
   # strip: the test that a stripped interpreter without USDT is refused makes such a copy (else it skips)
   dpkg -s binutils >/dev/null 2>&1 || need+=(binutils)
+  # gcc: tests build stand-in libraries (CUDA, NCCL, NVML, ELF objects for the symbol readers)
+  dpkg -s gcc >/dev/null 2>&1 || need+=(gcc)
   if [ ! -e "/lib/modules/$KVER/build/Makefile" ] && ! ls -d /usr/src/linux-headers-*-"$(dpkg --print-architecture)" >/dev/null 2>&1; then
     apt-get update -qq
     hdr="$(pick_headers)"

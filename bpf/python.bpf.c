@@ -18,8 +18,8 @@
  *
  * Interpreters without USDT: compiled with -DGC_ONLY (no argument readers,
  * so no py_entry/py_return), and py_gc_start / py_gc_done are attached to
- * the collector function found in the symbol table (gc_collect_main or
- * _PyGC_Collect) as a uprobe at its entry and a uretprobe at its return.
+ * the collector function found in the symbol table (gc_collect_main,
+ * _PyGC_Collect, or collect before 3.10) as a uprobe at its entry and a uretprobe at its return.
  * Both USDT GC probes sit inside that function, and no exception unwinds
  * through it (CPython C: errors are return values), so the return probe is
  * safe and the two programs need not know which way they were attached. */

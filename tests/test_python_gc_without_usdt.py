@@ -2,10 +2,13 @@
 
 Real eBPF, real processes: the venv's interpreter (a pyenv build: no USDT, but
 its libpython keeps .symtab with gc_collect_main) runs a script with a known
-number of gc.collect() calls; a stripped copy of it has neither and is refused;
+number of gc.collect() calls, and so do pyenv's CPython 3.8 and 3.9 (the
+collector is `collect` there: two .constprop clones in 3.8's build, one
+function in 3.9's); a stripped copy of the venv's has neither and is refused;
 Debian's /usr/bin/python3 (USDT) keeps the USDT path.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,11 @@ from support.batch_rows import rows, stop_all, wait_for
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
 DEBIAN_PYTHON = "/usr/bin/python3"
+PYENV_VERSIONS = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
+# (label, interpreter, the collector symbols it must be traced through)
+INTERPRETERS = [("venv", sys.executable, ("gc_collect_main", "_PyGC_Collect"))] + [
+    (f"cpython{v}", str(exe), ("collect",))
+    for v in ("3.8", "3.9") for exe in sorted(PYENV_VERSIONS.glob(f"{v}.*/bin/python{v}"))[-1:]]
 COLLECTS = 20
 # Waits for argv[1], makes COLLECTS rounds of cyclic garbage each collected explicitly, prints what each
 # collection found, writes argv[1].done, then waits (at most 60 s) for argv[1].exit and exits 0.
@@ -86,24 +94,24 @@ def wait_mapped(pid, python, timeout=60):
         time.sleep(0.01)
 
 
-def gc_only_or_skip(pid):
-    """Skip unless the venv interpreter is one this test is about: no USDT, a collector symbol."""
+def gc_only_or_skip(pid, python):
+    """Skip unless the interpreter is one this test is about: no USDT, a collector symbol."""
     from fleetscope.producers.tracers.python_vm import UsdtMissing, gc_collector, python_probes
     try:
         python_probes(pid)
-        pytest.skip(f"{sys.executable} has the USDT probes: it takes the USDT path, not the GC-only one")
+        pytest.skip(f"{python} has the USDT probes: it takes the USDT path, not the GC-only one")
     except UsdtMissing:
         pass
     try:
         gc_collector(pid)
     except LookupError as e:
-        pytest.skip(f"{sys.executable} has no USDT and no collector symbol: {e}")
+        pytest.skip(f"{python} has no USDT and no collector symbol: {e}")
 
 
-def untraced_output(spawn, tmp_path):
+def untraced_output(spawn, tmp_path, python=sys.executable):
     go = tmp_path / "plain"
     go.touch()
-    p = spawn(go)
+    p = spawn(go, python=python)
     wait_for(f"{go}.done")
     Path(f"{go}.exit").touch()
     out, _ = p.communicate(timeout=60)
@@ -111,16 +119,27 @@ def untraced_output(spawn, tmp_path):
     return out
 
 
-def test_gc_of_an_interpreter_without_usdt_is_traced_from_its_collector(tracer, spawn, tmp_path):
-    expected = untraced_output(spawn, tmp_path)
+def test_cpython_38_and_39_are_found_on_this_machine():
+    """The interpreters the next test runs: CI's machine has pyenv's 3.8 and 3.9; their absence is a
+    failure here, not a quiet skip of the versions the collector name `collect` is for."""
+    assert {label for label, _, _ in INTERPRETERS} == {"venv", "cpython3.8", "cpython3.9"}, (
+        f"no pyenv CPython 3.8 or 3.9 under {PYENV_VERSIONS} (set PYENV_ROOT): the collector `collect` is untested")
+
+
+@pytest.mark.parametrize("python,symbols", [i[1:] for i in INTERPRETERS], ids=[i[0] for i in INTERPRETERS])
+def test_gc_of_an_interpreter_without_usdt_is_traced_from_its_collector(tracer, spawn, tmp_path, python, symbols):
+    expected = untraced_output(spawn, tmp_path, python)
     go = tmp_path / "go"
-    p = spawn(go)
-    gc_only_or_skip(p.pid)
+    p = spawn(go, python=python)
+    if python == sys.executable:  # whatever the venv was made from; pyenv's 3.8 and 3.9 are known: no skip
+        gc_only_or_skip(p.pid, python)
     assert tracer.add_pid(p.pid), tracer.unavailable.get(p.pid)
     assert p.pid in tracer.gc_only and p.pid not in tracer.unavailable
     why = tracer.gc_only[p.pid]
     assert "function calls are not traced" in why and "no USDT probe" in why
     assert any(name in why for name in COLLECTORS)
+    probed = tracer.pids[p.pid][3]
+    assert probed and all(re.fullmatch(rf"(?:{'|'.join(symbols)})(?:\.\w+\.\d+)*", n) for n in probed), probed
     assert tracer.pids[p.pid][3] and (p.pid, "gc") in tracer.links and (p.pid, "functions") not in tracer.links
     first = tracer.sample()  # before the collections: whatever start-up collected
     got = rows(first) if first is not None else []
@@ -170,3 +189,21 @@ def test_stripped_interpreter_without_usdt_is_refused_naming_both(tracer, spawn,
     why = tracer.unavailable[p.pid]
     assert "no USDT probe" in why and "gc_collect_main" in why and "_PyGC_Collect" in why and str(p.pid) in why
     assert p.pid not in tracer.pids and p.pid not in tracer.gc_only
+
+
+@pytest.mark.parametrize("source,taken", [
+    ("int collect(int g) { return g; }", False),  # a `collect` that is not CPython's collector
+    ("int collect(int g) { return g; } int _PyGC_CollectNoFail(void) { return collect(2); }", True),
+])
+def test_the_old_collector_name_is_taken_only_beside_cpythons_own_entry_into_it(tmp_path, source, taken):
+    """`collect` (3.6-3.9) is a common name: an object that does not also define _PyGC_CollectNoFail is not
+    searched for it. Real ELF objects built by gcc, read by the tracer's own symbol reader; no root."""
+    from fleetscope.producers.tracers.python_vm import _collector_in
+    if not shutil.which("gcc"):
+        pytest.fail("gcc is needed to build the test objects (install.sh installs it)")
+    (tmp_path / "gc.c").write_text(source + "\n")
+    lib = tmp_path / "libpython3.9.so.1.0"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-o", str(lib), str(tmp_path / "gc.c")], check=True)
+    st = lib.stat()
+    offsets, names = _collector_in(str(lib), st.st_ino, st.st_mtime_ns)
+    assert (names == ("collect",) and len(offsets) == 1) if taken else (offsets, names) == ((), ())

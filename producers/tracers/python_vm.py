@@ -7,8 +7,10 @@ expensive: every call traps, ~5 us) and python:gc__start / gc__done (family
 Interpreters built without USDT (pyenv, python.org builds, most venvs) are
 traced for GC only: the collector's core function, found by name in the
 symbol table of the executable or libpython the process maps (gc_collect_main
-in CPython 3.10-3.13, else _PyGC_Collect, which holds the collection itself
-from 3.14), gets the same two BPF programs as the USDT probes: py_gc_start
+in CPython 3.10-3.13; _PyGC_Collect, which holds the collection itself from
+3.14; `collect` in 3.6-3.9, often with .constprop clones, every one probed;
+tested on 3.8 and 3.9),
+gets the same two BPF programs as the USDT probes: py_gc_start
 as a uprobe at its entry, py_gc_done as a uretprobe at its return. Both USDT
 probes sit inside that function, so the count and time are the same up to
 its few instructions before and after them (and a rare early return when
@@ -75,7 +77,10 @@ PREFIX_MAX, PREFIX_LEN = 8, 160  # as PY_PREFIX_MAX / PY_FILE_LEN in bpf/events.
 ENTRY_BROKEN = re.compile(r"python3\.(11|12|13|14)\b")
 # The collector's core, by preference: each USDT GC probe pair sits inside it. A name may carry a
 # compiler clone suffix (an LTO build's copy is still the whole function; .part/.cold pieces are not).
-COLLECTORS = ("gc_collect_main", "_PyGC_Collect")
+# CPython 3.6-3.9 call it `collect` (gcmodule.c), a name common enough that it is taken only from an
+# object that also defines CPython's own entry into it, and only if one function (with its clones) has it.
+COLLECTORS = ("gc_collect_main", "_PyGC_Collect", "collect")
+GENERIC_COLLECTOR, GC_MODULE_MARK = "collect", "_PyGC_CollectNoFail"
 _CLONE = r"(?:\.(?:lto_priv|constprop|isra)\.\d+)*"
 LIBPYTHON = re.compile(r"/libpython3[^/]*\.so[.\d]*$")
 PYTHON_EXE = re.compile(r"/python[^/]*$")  # an executable searched for the collector (a static build holds it)
@@ -126,6 +131,8 @@ def _collector_in(path: str, inode: int, mtime_ns: int) -> tuple[tuple[int, ...]
     for name in COLLECTORS:
         rx = re.compile(re.escape(name) + _CLONE)
         found = {a: n for n, a in zip(elf.names, elf.starts) if rx.fullmatch(n)}
+        if name == GENERIC_COLLECTOR and (GC_MODULE_MARK not in elf.names or list(found.values()).count(name) > 1):
+            continue
         if found:
             return tuple(file_offset(path, a) for a in found), tuple(found.values())
     return (), ()
