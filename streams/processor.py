@@ -68,7 +68,7 @@ from fleetscope.streams.seen_batches import SeenBatches
 from fleetscope.streams.sink.tables import Record
 from fleetscope.streams.sink.writer import TopicWriter, run_all
 from fleetscope.streams.sinks import DeadLetters, FeatureSink
-from fleetscope.streams.state_sources import StoreStates
+from fleetscope.streams.state_sources import JobStates, StoreStates
 from fleetscope.streams.steps import JobSteps
 from fleetscope.streams.store_writes import Insert, StoreUnavailable
 from fleetscope.streams.windows import WindowAssembler
@@ -174,7 +174,7 @@ class StreamProcessor:
 
     def __init__(self, cfg, store=None, producer=None, clock=time.monotonic,
                  flush_interval_s: float = 0.25, flush_rows: int = 200_000, scoring: bool = True,
-                 wall_clock_ns=time.time_ns, max_unstored_rows: int | None = None, states=None):
+                 wall_clock_ns=time.time_ns, max_unstored_rows: int | None = None, states: JobStates | None = None):
         if store is None and producer is None:
             raise ValueError("a stream processor needs a producer (a worker) or a store (in-process)")
         if producer is not None and not callable(getattr(producer, "poll", None)):
@@ -185,7 +185,8 @@ class StreamProcessor:
         self.producer = producer
         self.in_process = store is not None
         self.sink = TopicWriter(cfg, store, wall_clock_ns) if self.in_process else None
-        self.states = states if states is not None else StoreStates(store)
+        self.states: JobStates = states if states is not None else StoreStates(store)
+        self._input_partitions: set[tuple[str, int]] = set()  # read from since they were last revoked
         self.outbox = Outbox()
         self.features = FeatureSink(cfg, self.outbox)
         self.energy = OperatorEnergySink(cfg, self.outbox)  # energy per operator, on <prefix>.features
@@ -286,6 +287,9 @@ class StreamProcessor:
 
         `key` is the Kafka key; callers that do not read Kafka (tests, benchmarks) leave it out."""
         self.stats.messages_in += 1
+        if (ref.topic, ref.partition) not in self._input_partitions:  # new here: its jobs' states, read again
+            self._input_partitions.add((ref.topic, ref.partition))
+            self.states.invalidate()
         ref.pending += 1  # released when this message's raw rows are stored (or it is dead-lettered)
         self._pending_refs.append(ref)
         try:
@@ -550,6 +554,7 @@ class StreamProcessor:
         tps = {(tp[0], int(tp[1])) for tp in partitions}  # Faust's TP is a (topic, partition) tuple
         if not tps:
             return
+        self._input_partitions -= tps
         dropped, keys = self.windows.revoke(tps)
         held = []
         for step, ws in list(self.steps.pending.items()):
