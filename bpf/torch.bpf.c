@@ -18,7 +18,13 @@
  * A wait left by an exception never reaches one: its start stays behind and
  * the thread's next entry of that kind counts it as unpaired. Calls and ns are cumulative per (pid, kind);
  * the longest wait goes to comm_max, which user space reads and empties each
- * sample (a per-interval maximum). */
+ * sample (a per-interval maximum).
+ *
+ * With DETAIL (the tracer's detail mode) each op's return (op_return) and each wait's return (comm_return)
+ * also sends one ring-buffer record (pid, tid, op index or wait kind, start, duration) while the detail gate
+ * is open: bpf_ktime_get_ns() (CLOCK_MONOTONIC) before detail_until[0], as in bpf/gpu_calls.bpf.c. Closed
+ * (0) it costs one array lookup per return; the counters above count either way. A record the ring cannot
+ * take is counted in `lost`. No probe is added for it: the waits' returns stay plain uprobes on `ret`. */
 #include <uapi/linux/ptrace.h>
 #include "events.h"
 
@@ -50,6 +56,43 @@ struct comm_stats {
 BPF_HASH(comm_waits, struct comm_key, struct comm_stats, 4096);
 BPF_HASH(comm_max, struct comm_key, u64, 4096);
 BPF_TABLE("lru_hash", u64, u64, comm_starts, 8192);  /* (tid << 32 | kind) -> entry time */
+
+#ifdef DETAIL
+struct torch_call_event {
+    u64 ts;         /* entry, bpf_ktime_get_ns */
+    u64 dur_ns;
+    u32 pid;
+    u32 tid;
+    u32 what;       /* family 0: op index (the op's cookie); family 1: wait kind (index into COMM_KINDS) */
+    u32 family;     /* 0 ops, 1 collectives */
+};
+
+BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
+/* The detail gate: records are sent only while the return's clock reading is before detail_until[0]. User
+ * space opens it (TorchTracer.set_detail_until): for the whole run (U64 max) or a live capture's span. */
+BPF_ARRAY(detail_until, u64, 1);
+
+/* One call's record, if the gate is open at `now` (the return's own clock reading: no extra clock read). */
+static __always_inline void send_call(u64 pid_tgid, u32 family, u32 what, u64 ts, u64 now) {
+    int z = 0;
+    u64 *until = detail_until.lookup(&z);
+    if (!until || now >= *until)   /* closed (0) or expired */
+        return;
+    u32 pid = pid_tgid >> 32;
+    struct torch_call_event *e = calls.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        lost.increment(pid);
+        return;
+    }
+    e->ts = ts;
+    e->dur_ns = now - ts;
+    e->pid = pid;
+    e->tid = (u32)pid_tgid;
+    e->what = what;
+    e->family = family;
+    calls.ringbuf_submit(e, 0);
+}
+#endif
 
 static __always_inline void count_hit(int family) {
     u64 *h = hits.lookup(&family);
@@ -98,10 +141,14 @@ int op_return(struct pt_regs *ctx) {
         st->depth = 0;             /* unbalanced: start over */
         return 0;
     }
+    u64 ts = st->f[d].ts;
     struct torch_op_key k = {.pid = id >> 32, .op = st->f[d].op};
     struct torch_op_stats *s = ops.lookup(&k);
     if (s)
-        __sync_fetch_and_add(&s->ns, now - st->f[d].ts);
+        __sync_fetch_and_add(&s->ns, now - ts);
+#ifdef DETAIL
+    send_call(id, 0, k.op, ts, now);
+#endif
     return 0;
 }
 
@@ -131,8 +178,12 @@ int comm_return(struct pt_regs *ctx) {
     u64 *start = comm_starts.lookup(&key);
     if (!start)
         return 0;                  /* entered before the probes were attached */
-    u64 d = now - *start;
+    u64 ts = *start;
+    u64 d = now - ts;
     comm_starts.delete(&key);
+#ifdef DETAIL
+    send_call(id, 1, kind, ts, now);
+#endif
     struct comm_key k = {.pid = id >> 32, .kind = kind};
     struct comm_stats init = {};
     struct comm_stats *s = comm_waits.lookup_or_try_init(&k, &init);

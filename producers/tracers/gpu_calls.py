@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetscope.wire import Batch
-from fleetscope.producers.tracers.clock import MonotonicClock
+from fleetscope.producers.tracers.detail import DETAIL_FOREVER, DetailRecords, detail_flags
 from fleetscope.producers.tracers.discovery import find_library
 from fleetscope.producers.tracers.duty import DutyClock
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 LAT_BUCKETS = 128  # GPU_LAT_BUCKETS in bpf/events.h
 _STATS_HEAD = 4    # calls, dur_ns, errors, bytes precede the histogram
 DRIVER_TAG = 1 << 63  # as in bpf/cuda.bpf.c: a driver call's cookie and in-flight key carry it
-DETAIL_FOREVER = 2**64 - 1  # the gate's deadline when it is open for the whole run
 NCCL_ENQUEUED_MAX = 65536  # threads with a collective not yet followed by a sync (LRU)
 _shared: dict[str, object] = {}
 _shared_lock = threading.Lock()
@@ -102,7 +101,7 @@ def percentile(hist: np.ndarray, q: float) -> float:
     return float(_BUCKET_MID[int(np.searchsorted(np.cumsum(hist), q * total))])
 
 
-class GpuCallTracer:
+class GpuCallTracer(DetailRecords):
     SOURCE = ""
     BPF_FILE = ""
     LIBRARIES: dict[str, re.Pattern] = {}
@@ -120,11 +119,9 @@ class GpuCallTracer:
         self.api_ids = {a.symbol: i for i, a in enumerate(self.APIS)}
         self.family_ids = {f: i for i, f in enumerate(self.FAMILIES)}
         flags = [f"-I{BPF_DIR}", "-Wno-everything", f"-DN_FAMILIES={len(self.FAMILIES)}",
-                 f"-DRING_PAGES={ring_pages}", f"-DNCCL_ENQUEUED_MAX={NCCL_ENQUEUED_MAX}"]
+                 f"-DNCCL_ENQUEUED_MAX={NCCL_ENQUEUED_MAX}", *detail_flags(detail, ring_pages)]
         flags += [f"-DAPI_{s}={i}" for s, i in self.api_ids.items()]
         flags += [f"-DFAM_{f}={i}" for f, i in self.family_ids.items()]
-        if detail:
-            flags.append("-DDETAIL")
         try:
             _share_nccl_enqueued()
             # the shared pairing code goes in front: bcc rewrites map calls only in the text it is given
@@ -144,32 +141,7 @@ class GpuCallTracer:
         self._last_ns = time.time_ns()
         self._prev: dict[tuple[int, int], np.ndarray] = {}
         self._prev_lost = 0
-        self.clock = MonotonicClock()
-        self.records: list[dict] = []  # detail mode: the calls drained by the latest sample()
-        self.detail_until = 0  # the gate's deadline (monotonic ns) as last set; 0: closed
-        self._gate = None
-        self._said_no_detail = False
-        if detail:
-            self.bpf[b"calls"].open_ring_buffer(self._on_record)
-            self._gate = self.bpf[b"detail_until"]  # taken here: setting it later touches no bcc table cache
-            if detail_always:
-                self.set_detail_until(DETAIL_FOREVER)
-
-    def set_detail_until(self, monotonic_ns: int) -> bool:
-        """Send per-call records until CLOCK_MONOTONIC `monotonic_ns` (0 closes the gate). False, with nothing
-        set, when this tracer was built without detail mode or is closed. One BPF map update: safe beside the
-        tracer's other calls without its lock."""
-        gate = self._gate
-        if gate is None or self.bpf is None:
-            if not self.detail and not self._said_no_detail:
-                self._said_no_detail = True
-                log.warning("%s tracer: built without detail mode (trace_capture_s = 0), so it has no per-call "
-                            "records to switch on", self.SOURCE)
-            return False
-        value = min(max(int(monotonic_ns), 0), DETAIL_FOREVER)
-        gate[gate.Key(0)] = gate.Leaf(value)
-        self.detail_until = value
-        return True
+        self._init_detail(detail, detail_always, self.SOURCE)  # records, the gate, set_detail_until (detail.py)
 
     # -- targets -------------------------------------------------------------
     def add_pid(self, pid: int) -> bool:
@@ -285,9 +257,7 @@ class GpuCallTracer:
         # made its last call, so dropping it after the read loses nothing.
         gone = [pid for pid in self.libs if not os.path.exists(f"/proc/{pid}")]
         rows = self._stats_rows(interval, fracs) + self._extra_rows(interval, fracs)
-        if self.detail:
-            self.records = []
-            self.bpf.ring_buffer_consume()  # all pending records, once
+        self._drain_records()
         table = self.bpf[b"lost"]
         lost = int(table[table.Key(0)].value)
         rows.append((f"{self.SOURCE}.lost_events", "all", lost - self._prev_lost, 0, interval, 1.0))

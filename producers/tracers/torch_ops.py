@@ -70,6 +70,15 @@ without the probes), torch.comm_wait_max_ns (a gauge: the longest single wait
 of the interval), torch.comm_wait_unpaired (waits left without reaching a
 `ret`: by an exception or a tail call). A process without libtorch_cpu.so or without these
 symbols gets no rows; `family_unavailable[pid]` says why.
+
+Detail mode (detail=True: -DDETAIL, as for the CUDA and NCCL tracers; producers/tracers/detail.py): while the
+BPF detail gate is open (`set_detail_until`, or for the whole run with detail_always), each op's return and
+each collective wait's return also sends one per-call record through a ring buffer, and each sample() drains
+them into `records`: {"api": the op name as in the rows ("mm", "linear", "backward") or the wait kind
+("recv", "send", "work"), "pid", "tid", "ts_ns" (entry, epoch ns), "dur_ns", "family": "ops" or
+"collectives"}. The records come from the same return programs (no probe is added; the waits keep their
+`ret` uprobes). A record the ring could not take counts in torch.lost_events. With the gate closed a return
+pays one array lookup more; the rows count every call either way.
 """
 from __future__ import annotations
 
@@ -83,6 +92,7 @@ from dataclasses import dataclass
 from fleetscope.wire import Batch
 from fleetscope.producers.tracers.discovery import find_library
 from fleetscope.producers.tracers.duty import DutyClock
+from fleetscope.producers.tracers.detail import DetailRecords, detail_flags
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
 from fleetscope.producers.tracers.linked import LinkedFamilyTracer
 from fleetscope.producers.tracers.return_sites import return_sites
@@ -218,22 +228,24 @@ def comm_symbols(path: str) -> list[CommFunction]:
     return syms
 
 
-class TorchTracer(LinkedFamilyTracer):
+class TorchTracer(DetailRecords, LinkedFamilyTracer):
     FAMILIES = FAMILIES
     source = "torch"
     # Where a uretprobe goes, and why it cannot harm the process there (checked on every return-probe link).
     # The collectives' waits throw and are not here: their returns are probed at their `ret` instructions.
     RETURN_PROBES = {_WRAPPER.pattern: _CATCHES_ALL, _BACKWARD.pattern: _CATCHES_ALL}
 
-    def __init__(self, host: str, resolver=None, ops: frozenset[str] | None = None):
-        """`ops`: op names to probe (default DEFAULT_OPS); "backward" is the autograd engine entry."""
+    def __init__(self, host: str, resolver=None, ops: frozenset[str] | None = None, detail: bool = False,
+                 ring_pages: int = 1024, detail_always: bool = True):
+        """`ops`: op names to probe (default DEFAULT_OPS); "backward" is the autograd engine entry. `detail`:
+        per-call records while the gate is open, from construction on with `detail_always` (module doc)."""
         check_host("torch op")
         from bcc import BPF
         self.host, self.resolver = host, resolver
         self.ops = frozenset(DEFAULT_OPS if ops is None else ops)
         try:
             self.bpf = BPF(src_file=str(BPF_DIR / "torch.bpf.c").encode(),
-                           cflags=[f"-I{BPF_DIR}", "-Wno-everything"])
+                           cflags=[f"-I{BPF_DIR}", "-Wno-everything", *detail_flags(detail, ring_pages)])
         except Exception as e:  # bcc raises bare Exception on compile/load failure
             raise TracerUnavailable(f"loading bpf/torch.bpf.c failed ({e}); check that kernel headers exist "
                                     f"at /lib/modules/{os.uname().release}/build") from e
@@ -250,6 +262,7 @@ class TorchTracer(LinkedFamilyTracer):
         self._clock = DutyClock(FAMILIES)
         self._prev: dict[str, dict] = {"calls": {}, "ns": {}, "lost": {}, "comm": {}, "unpaired": {}}
         self._last_ns = time.time_ns()
+        self._init_detail(detail, detail_always, "torch op")  # records, the gate, set_detail_until (detail.py)
 
     def add_pid(self, pid: int) -> bool:
         """Trace every family the process has probes for; False (reasons in `unavailable`) if it has none."""
@@ -326,6 +339,7 @@ class TorchTracer(LinkedFamilyTracer):
         for (pid, op), (c, t) in per_op.items():
             rows += [("torch.ops", op, c, pid, interval, frac), ("torch.op_ns", op, t, pid, interval, frac)]
         rows += self._comm_rows(interval, fracs["collectives"])
+        self._drain_records()  # detail mode: this sample's records (one the ring refused counts in `lost`)
         lost = {k.value: v.value for k, v in self.bpf[b"lost"].items()}
         rows += [("torch.lost_events", "all", d, pid, interval, 1.0)
                  for pid, d in diff(self._prev["lost"], lost).items()]
@@ -358,9 +372,19 @@ class TorchTracer(LinkedFamilyTracer):
                  for (pid, kind), d in diff(prev_unpaired, unpaired).items() if d]
         return rows
 
+    def _on_record(self, ctx, data, size) -> None:
+        ev = self.bpf[b"calls"].event(data)
+        if ev.family == 0:
+            api, family = self.op_names[ev.what], "ops"
+        else:
+            api, family = COMM_KINDS[ev.what], "collectives"
+        self.records.append({"api": api, "pid": int(ev.pid), "tid": int(ev.tid),
+                             "ts_ns": self.clock.to_epoch_ns(ev.ts), "dur_ns": int(ev.dur_ns), "family": family})
+
     def close(self) -> None:
         for pid in list(self.pids):
             self.remove_pid(pid)
+        self._gate = None
         bpf, self.bpf = getattr(self, "bpf", None), None
         if bpf is not None:
             bpf.cleanup()

@@ -220,9 +220,9 @@ def live_trace(args, cfg) -> int:
         if not found:
             print(f"fleetscope trace: no calls of job {req.job!r} ({which}) reached the store within "
                   f"{LIVE_GRACE_S:g} s of the span's end. Likely: no agent with trace_capture_s > 0 hosts the "
-                  "job (only capturing agents answer requests: their CUDA and NCCL tracers keep per-call records, for "
-                  "the span, or always with trace_capture_anomalies), "
-                  "the job made no CUDA or NCCL calls in the span, or the sink is not running "
+                  "job (only capturing agents answer requests: their CUDA, NCCL and torch tracers keep per-call "
+                  "records, for the span, or always with trace_capture_anomalies), "
+                  "the job made no CUDA, NCCL or traced torch calls in the span, or the sink is not running "
                   "(`fleetscope up` or `fleetscope sink`)", file=sys.stderr)
             return 1
         print(f"the store holds {found} calls of the span", flush=True)
