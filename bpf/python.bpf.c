@@ -22,7 +22,12 @@
  * _PyGC_Collect, or collect before 3.10) as a uprobe at its entry and a uretprobe at its return.
  * Both USDT GC probes sit inside that function, and no exception unwinds
  * through it (CPython C: errors are return values), so the return probe is
- * safe and the two programs need not know which way they were attached. */
+ * safe and the two programs need not know which way they were attached.
+ *
+ * With DETAIL (the tracer's detail mode) each GC pause (py_gc_done) and each timed function return (py_return,
+ * where its frame matched: only where function__entry fires) also sends one ring-buffer record while the
+ * detail gate is open: the return's clock reading before detail_until[0], as in bpf/torch.bpf.c. Closed (0) it
+ * costs one array lookup; the counters count either way. A record the ring cannot take is counted in `lost`. */
 #include "events.h"
 
 BPF_HASH(fstats, struct py_func_key, struct py_func_stats, 10240);
@@ -39,6 +44,24 @@ BPF_PERCPU_ARRAY(hits, u64, 2);                             /* 0 functions, 1 gc
 BPF_PERCPU_ARRAY(name_scratch, struct py_func_name, 1);
 BPF_PERCPU_ARRAY(empty_stack, struct py_stack, 1);
 
+#ifdef DETAIL
+struct py_call_event {
+    u64 ts;         /* start, bpf_ktime_get_ns */
+    u64 dur_ns;
+    u64 file;       /* kind 0: the (file, name) string addresses of the fnames key; 0 for GC */
+    u64 name;
+    u32 pid;
+    u32 tid;
+    u32 kind;       /* 0 function, 1 gc */
+    u32 pad;
+};
+
+BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
+/* The detail gate: records are sent only while the clock reading is before detail_until[0]. User space
+ * (PythonTracer.set_detail_until) opens it: for the whole run (U64 max) or a live capture's span. */
+BPF_ARRAY(detail_until, u64, 1);
+#endif
+
 static __always_inline void count_hit(int family) {
     u64 *h = hits.lookup(&family);
     if (h)
@@ -48,6 +71,31 @@ static __always_inline void count_hit(int family) {
 static __always_inline void count_lost(u32 pid) {
     lost.increment(pid);
 }
+
+#ifdef DETAIL
+/* One call's record, if the gate is open at `now` (the caller's own clock reading: no extra clock read). */
+static __always_inline void send_call(u64 pid_tgid, u32 kind, u64 file, u64 name, u64 ts, u64 now) {
+    int z = 0;
+    u64 *until = detail_until.lookup(&z);
+    if (!until || now >= *until)   /* closed (0) or expired */
+        return;
+    u32 pid = pid_tgid >> 32;
+    struct py_call_event *e = calls.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_lost(pid);
+        return;
+    }
+    e->ts = ts;
+    e->dur_ns = now - ts;
+    e->file = file;
+    e->name = name;
+    e->pid = pid;
+    e->tid = (u32)pid_tgid;
+    e->kind = kind;
+    e->pad = 0;
+    calls.ringbuf_submit(e, 0);
+}
+#endif
 
 /* 1 if `file` starts with one of the prefixes (or none is configured). */
 static __always_inline int wanted(const char *file) {
@@ -153,7 +201,11 @@ int py_return(struct pt_regs *ctx) {
         st->depth = 0;                 /* unbalanced (e.g. stack switching): start over */
         return 0;
     }
-    __sync_fetch_and_add(&s->ns, now - st->ts[d]);
+    u64 ts = st->ts[d];
+    __sync_fetch_and_add(&s->ns, now - ts);
+#ifdef DETAIL
+    send_call(id, 0, k.file, k.name, ts, now);
+#endif
     return 0;
 }
 #endif /* GC_ONLY */
@@ -174,7 +226,7 @@ int py_gc_done(struct pt_regs *ctx) {
     u64 *t0 = gc_start.lookup(&tid);
     if (!t0)
         return 0;                      /* started before the probe was attached */
-    u64 dt = bpf_ktime_get_ns() - *t0;
+    u64 now = bpf_ktime_get_ns(), ts = *t0, dt = now - ts;
     gc_start.delete(&tid);
     struct py_gc_stats zero = {};
     struct py_gc_stats *g = gc.lookup_or_try_init(&pid, &zero);
@@ -184,5 +236,8 @@ int py_gc_done(struct pt_regs *ctx) {
     }
     __sync_fetch_and_add(&g->count, 1);
     __sync_fetch_and_add(&g->ns, dt);
+#ifdef DETAIL
+    send_call(id, 1, 0, 0, ts, now);
+#endif
     return 0;
 }

@@ -7,8 +7,8 @@ a rank it hosts, that rank's window of them on `<prefix>.traces` (fleetscope/tra
   kept, since no anomaly can name them. A process's last known identity is kept as long as its calls may be
   (the resolver forgets a process once it exits, and the last calls of one that just died are the ones an
   anomaly most wants).
-- The records come from the CUDA, NCCL and torch tracers in detail mode (on while trace_capture_s > 0): the tracer
-  manager hands each sampled tracer's records to `add_records` on the agent's tick.
+- The records come from the CUDA, NCCL, torch and Python tracers in detail mode (on while trace_capture_s > 0):
+  the tracer manager hands each sampled tracer's records to `add_records` on the agent's tick.
 - A listener thread reads `<prefix>.anomalies` from its partitions' ends (no consumer group offsets: anomalies
   from before the agent started have no records here). An anomaly whose host is this agent's is captured once
   its window's end plus the margin (one window) and a sample interval have passed, so the ticks that carry

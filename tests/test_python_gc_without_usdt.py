@@ -13,13 +13,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 
 from fleetscope.producers.tracers.python_vm import COLLECTORS
-from support.batch_rows import rows, stop_all, wait_for
+from support.python_scripts import ScriptProcesses
+from support.batch_rows import rows, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
 
@@ -65,33 +65,11 @@ def tracer():
 
 @pytest.fixture
 def spawn(tmp_path):
-    procs = []
     script = tmp_path / "gc_loop.py"
     script.write_text(SCRIPT)
-
-    def start(go, python=sys.executable, env=None):
-        p = subprocess.Popen([python, str(script), str(go)], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONHASHSEED": "0", **(env or {})})
-        procs.append(p)
-        wait_mapped(p.pid, python)
-        return p
-
-    yield start
-    stop_all(procs)
-
-
-def wait_mapped(pid, python, timeout=60):
-    """Until the interpreter has mapped its libpython (exec and dynamic loading done)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            maps = ""
-        if "libpython" in maps or (os.path.realpath(python) in maps and "libc" in maps):
-            return maps
-        assert time.monotonic() < deadline, f"pid {pid} did not map its interpreter"
-        time.sleep(0.01)
+    procs = ScriptProcesses(script)
+    yield procs.start
+    procs.stop()
 
 
 def gc_only_or_skip(pid, python):

@@ -45,6 +45,14 @@ BPF side: bpf/python.bpf.c aggregates per (pid, function) in maps (see there);
 python.func_ns per "module:function" (top 50 per pid per interval by calls,
 the rest folded into "other"), python.gc_count / python.gc_ns (device "all"),
 python.lost_events. Inclusive time of a recursive function counts each level.
+
+Detail mode (detail=True: -DDETAIL, as for the CUDA, NCCL and torch tracers; producers/tracers/detail.py):
+while the BPF detail gate is open (`set_detail_until`, or for the whole run with detail_always), each GC pause
+(every interpreter, GC-only ones included) and each timed function call (only where function__entry fires:
+not CPython 3.11-3.14, see ENTRY_BROKEN) sends a record, and `sample()` drains them into `records`:
+{"api": "gc", or the function's "module:function" as in its rows, "pid", "tid", "ts_ns" (start, epoch ns),
+"dur_ns", "family": "gc" or "functions"}. Every interpreter object's program has its own ring and gate; one
+loaded later gets the current deadline. The records come from the same programs (no probe is added).
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ import struct
 import time
 
 from fleetscope.wire import Batch
+from fleetscope.producers.tracers.detail import DetailRecords, detail_flags
 from fleetscope.producers.tracers.discovery import host_path, mapped_objects
 from fleetscope.producers.tracers.duty import DutyClock
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
@@ -181,7 +190,7 @@ def module_name(path: str) -> str:
     return path.replace("/", ".") or "?"
 
 
-class PythonTracer(LinkedFamilyTracer):
+class PythonTracer(DetailRecords, LinkedFamilyTracer):
     FAMILIES = FAMILIES
     source = "python"
     # attaching compiles a USDT program per process (seconds on a busy node): the manager attaches the quick
@@ -194,8 +203,10 @@ class PythonTracer(LinkedFamilyTracer):
             "CPython's C collector: its errors are return values and no exception unwinds through it "
             "(C++ extensions stop theirs at their own boundary), so the replaced return address is reached"}
 
-    def __init__(self, host: str, resolver=None, prefixes: tuple[str, ...] = ()):
-        """`prefixes`: count only functions whose source file starts with one of these (none: all)."""
+    def __init__(self, host: str, resolver=None, prefixes: tuple[str, ...] = (), detail: bool = False,
+                 ring_pages: int = 1024, detail_always: bool = True):
+        """`prefixes`: count only functions whose source file starts with one of these (none: all). `detail`:
+        per-call records while the gate is open, from construction on with `detail_always` (module doc)."""
         check_host("Python")
         if len(prefixes) > PREFIX_MAX or any(len(p.encode()) > PREFIX_LEN for p in prefixes):
             raise ValueError(f"at most {PREFIX_MAX} file prefixes of at most {PREFIX_LEN} bytes")
@@ -212,6 +223,8 @@ class PythonTracer(LinkedFamilyTracer):
         self._names: dict[tuple, str] = {}           # (path, pid, file, name) -> "module:function"
         self._prev: dict[str, dict] = {"funcs": {}, "gc_count": {}, "gc_ns": {}, "lost": {}}
         self._last_ns = time.time_ns()
+        self._ring_pages = ring_pages
+        self._init_detail(detail, detail_always, "python")  # records, the gate, set_detail_until (detail.py)
 
     def add_pid(self, pid: int) -> bool:
         pid = int(pid)
@@ -255,6 +268,7 @@ class PythonTracer(LinkedFamilyTracer):
         interval = max(now_ns - self._last_ns, 0)
         self._last_ns = now_ns
         frac = self._clock.fractions()
+        self._drain_records()  # detail mode: this sample's records, named before an exited pid is forgotten
         funcs, gc_count, gc_ns, lost = {}, {}, {}, {}
         for path, bpf in self.programs.items():
             for k, v in bpf[b"fstats"].items():
@@ -280,6 +294,7 @@ class PythonTracer(LinkedFamilyTracer):
         return metric_batch(self.source, self.host, rows, now_ns, interval, self._identity) if rows else None
 
     def close(self) -> None:
+        self._close_detail()
         for pid in list(self.pids):
             self.remove_pid(pid)
         programs, self.programs = self.programs, {}
@@ -322,7 +337,8 @@ class PythonTracer(LinkedFamilyTracer):
         or with None for a GC-only interpreter (-DGC_ONLY: only the GC programs)."""
         from bcc import BPF
         src = (text + "\n" if text is not None else "") + (BPF_DIR / "python.bpf.c").read_text()
-        flags = [f"-I{BPF_DIR}", "-Wno-everything"] + (["-DGC_ONLY"] if text is None else [])
+        flags = [f"-I{BPF_DIR}", "-Wno-everything", *detail_flags(self.detail, self._ring_pages)] + (
+            ["-DGC_ONLY"] if text is None else [])
         try:
             bpf = BPF(text=src.encode(), cflags=flags)
         except Exception as e:  # bcc raises bare Exception on compile/load failure
@@ -336,7 +352,19 @@ class PythonTracer(LinkedFamilyTracer):
             table[table.Key(i)] = leaf
         count[count.Key(0)] = count.Leaf(len(self.prefixes))
         self.programs[path] = bpf
+        self._detail_program(bpf, functools.partial(self._on_program_record, path))  # at the current gate
         return bpf
+
+    def _on_program_record(self, path: str, ctx, data, size) -> None:
+        """One detail record from the program of interpreter object `path`."""
+        ev = self.programs[path][b"calls"].event(data)
+        pid = int(ev.pid)
+        if ev.kind == 1:
+            api, family = "gc", "gc"
+        else:
+            api, family = self._device(path, pid, int(ev.file), int(ev.name)), "functions"
+        self.records.append({"api": api, "pid": pid, "tid": int(ev.tid), "ts_ns": self.clock.to_epoch_ns(ev.ts),
+                             "dur_ns": int(ev.dur_ns), "family": family})
 
     def _attach(self, pid: int, family: str) -> None:
         path, offsets, entry_fires, collector = self.pids[pid]
@@ -360,7 +388,6 @@ class PythonTracer(LinkedFamilyTracer):
         if (path, fn) not in self._progs:
             self._progs[(path, fn)] = load_multi_program(self.programs[path], fn, "Python")
         return self._progs[(path, fn)]
-
 
     def _forget(self, pid: int) -> None:
         """Detach a pid and drop its keys from the maps and the diff state."""

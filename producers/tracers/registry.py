@@ -32,7 +32,8 @@ TRACERS: dict[str, TracerEntry] = {
     # whole run with trace_capture_anomalies, else opened by live capture requests (producers/trace_capture.py)
     "cuda": TracerEntry("cuda", "CudaTracer", sample_frac=True, options=_DETAIL),
     "nccl": TracerEntry("nccl", "NcclTracer", sample_frac=True, options=_DETAIL),
-    "python": TracerEntry("python_vm", "PythonTracer", sample_frac=True, options={"prefixes": "trace_python_prefixes"}),
+    "python": TracerEntry("python_vm", "PythonTracer", sample_frac=True,
+                          options={"prefixes": "trace_python_prefixes", **_DETAIL}),
     "torch": TracerEntry("torch_ops", "TorchTracer", sample_frac=True, options=_DETAIL),
     # sampled stacks through py-spy: any CPython 3.9-3.14, USDT or not
     "python_sampler": TracerEntry("python_sampler", "PythonSampler", sample_frac=True,

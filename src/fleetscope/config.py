@@ -155,9 +155,10 @@ class Config:
     trace_duty_period_s: float = 30.0
     trace_hit_cost_ns: float | None = None  # None: measured at start (calibration)
     trace_python_prefixes: tuple[str, ...] = ()  # module/file prefixes to trace; empty: all
-    # Capture around anomalies: the agent keeps this many seconds of per-call records (the CUDA, NCCL and torch tracers
-    # in detail mode) in memory, at most trace_capture_max_records (the oldest dropped past it, counted), and
-    # on an anomaly of a rank it hosts publishes that rank's window (± one window) to <prefix>.traces. 0: off.
+    # Capture around anomalies: the agent keeps this many seconds of per-call records (the CUDA, NCCL, torch and
+    # Python tracers in detail mode) in memory, at most trace_capture_max_records (the oldest dropped past it,
+    # counted), and on an anomaly of a rank it hosts publishes that rank's window (± one window) to <prefix>.traces.
+    # 0: off.
     trace_capture_s: float = 0.0
     trace_capture_max_records: int = 100_000
     # With trace_capture_s > 0: True, the tracers send per-call records all the time and anomalies are captured;
