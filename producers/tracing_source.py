@@ -71,6 +71,14 @@ class TracingSource:
         """The manager runs, or never will (no tracer could start, or the agent stopped while it compiled)."""
         return self.manager is not None or (self._thread.ident is not None and not self._thread.is_alive())
 
+    def traced_since(self, pids) -> float | None:
+        """When every tracer had tried each of ``pids`` (TracerManager.traced_since); 0.0 when no manager will
+        run, None while it compiles or has not tried them all."""
+        manager = self.manager
+        if manager is None:
+            return 0.0 if self.settled else None
+        return manager.traced_since(pids)
+
     def sample(self, now_ns: int) -> list:
         manager = self.manager
         if manager is None:

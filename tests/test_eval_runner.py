@@ -87,6 +87,8 @@ def test_a_short_straggler_scenario_runs_end_to_end_and_leaves_nothing_behind(st
     impact = result["faults"][0]["impact"]
     assert impact["effect"] and impact["impact_pct"] < 0, result["faults"][0]  # the quota measurably slowed the job
     assert Path(result["plot"]).stat().st_size > 10_000
+    # the clock started at least 10 windows after the tracers reached the last rank (runner.wait_traced)
+    assert result["traced_before_t0_s"] is not None and result["traced_before_t0_s"] >= 10 * 0.5, result
     # nothing left behind: the rank processes, the stack's data dir holds no live endpoint, the cgroup is gone
     assert _our_processes(result["job"]) == []
     from fleetscope.store import endpoint_alive

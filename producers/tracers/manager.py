@@ -70,6 +70,8 @@ class TracerManager:
         self.attached: dict[str, set[int]] = {name: set() for name in self.tracers}
         # not mapping the tracer's library yet: pid -> library stamp at that attempt (retried when it moves)
         self.waiting: dict[str, dict[int, int | None]] = {name: {} for name in self.tracers}
+        # (tracer, pid) -> wall time of its first attempt's outcome, or of its attach (see traced_since)
+        self.tried_at: dict[tuple[str, int], float] = {}
         self.last_decision = None
         self.errors = 0
         self._cpu_prev: dict[int, float] = {}
@@ -93,6 +95,7 @@ class TracerManager:
         for pid in ended:
             for name, tracer in self.tracers.items():
                 self.waiting[name].pop(pid, None)
+                self.tried_at.pop((name, pid), None)
                 if pid in self.attached[name]:
                     self.attached[name].discard(pid)
                     self._call(name, tracer.remove_pid, pid)
@@ -113,6 +116,7 @@ class TracerManager:
                     # a rank attached mid-period made its hits look many times the budget (the governor)
                     self._cpu_prev[pid] = process_cpu_seconds([pid])
                 ok = self._call(name, tracer.add_pid, pid)
+                self.tried_at.setdefault((name, pid), time.time())
                 if ok is FAILED:  # it raised (logged); not retried
                     continue
                 if ok is False:  # not mapping the library yet
@@ -120,7 +124,19 @@ class TracerManager:
                 else:  # True, or None from tracers whose add_pid returns nothing
                     waiting.pop(pid, None)
                     self.attached[name].add(pid)
+                    self.tried_at[(name, pid)] = time.time()
                     log.info("tracing pid %d with the %s tracer", pid, name)
+
+    def traced_since(self, pids) -> float | None:
+        """The wall time by which every tracer had tried each of ``pids`` (attached it, found it not mapping
+        the tracer's library yet, or failed on it; a later attach counts from then), or None while a tracer
+        has not tried one of them (not found yet: it maps no library that automatic tracing attaches to, or
+        an attach is compiling). What a caller waits on before it trusts that every source it will see from
+        these processes has started: the evaluation harness, so that no fault starts as a tracer joins."""
+        times = [self.tried_at.get((name, int(pid))) for name in self.tracers for pid in pids]
+        if any(t is None for t in times):
+            return None
+        return max(times, default=0.0)
 
     def _call(self, name: str, fn, *args):
         with self.locks[name]:

@@ -4,9 +4,10 @@ For each scenario (benchmarks/scenarios/{dev,test}/*.yaml):
 1. a fresh embedded stack (eval/stack.py): its own broker, data dir, topic prefix; optionally
    busy-loop processes beside everything (a loaded machine);
 2. the workload as torchrun ranks under the job <scenario>-<runid> (each run is its own job);
-3. wait until the job's model is warm (scores with warm=1 in the store): the scenario's clock,
-   t0, is the first window boundary after that (plus the repeat's start offset), so every
-   `start_s` counts from the end of warm-up;
+3. wait until the job's model is warm (scores with warm=1 in the store) and the agent's tracers
+   have reached every rank: the scenario's clock, t0, is the first window boundary after that,
+   and at least TRACED_WINDOWS_BEFORE_CLOCK windows after the tracers reached the last rank
+   (plus the repeat's start offset), so every `start_s` counts from the end of warm-up;
 4. the faults' bursts and the workload events (a restart: the job comes back as
    <scenario>-<runid>-r<N>) in time order; the run ends at t0 + scenario duration_s;
 5. scores, anomalies, diagnoses and features of the job(s) read back from the store, the
@@ -33,6 +34,14 @@ from fleetscope.eval.timegrid import ONSET_GRACE_WINDOWS, RECOVERY_GRACE_WINDOWS
 from fleetscope import config as config_mod
 
 __all__ = ["ONSET_GRACE_WINDOWS", "RECOVERY_GRACE_WINDOWS", "RunOptions", "run_scenario", "window_of"]
+
+
+# Windows between the tracers reaching every rank and the scenario clock. A source that joins a rank mid-run
+# (a tracer attaching late: under load the BPF compile and the ranks' torch import take 20 s and more) is judged
+# by the peer detector against the rank's own usual offset from its 8th window on (peer_offset_min_obs), the
+# offset being learned from those first windows: a fault starting as the source joins would be learned as the
+# rank's normal (measured: a CI run whose tracers attached 1.5 s before a straggler flagged it 7 windows of 15).
+TRACED_WINDOWS_BEFORE_CLOCK = 10
 
 
 class ScenarioSkipped(RuntimeError):
@@ -127,7 +136,7 @@ class Run:
         self.injected: dict[int, list] = {}      # fault index -> [{on, off, describe}] per burst
         self.events_done: list[dict] = []
         self.workload_may_end = False            # after a crash the job ends, as torchrun ends it
-        self.timeline: dict[str, float] = {}
+        self.timeline: dict[str, float | None] = {}
         self.busy = None
         self.log = opts.progress
 
@@ -240,11 +249,34 @@ class Run:
                 self.log(f"[{self.s.name}] warm-up: {self._status()}")
             time.sleep(1.0)
         w = c.window_s
-        t0 = math.ceil((time.time() + self.opts.start_offset_s) / w + 1e-9) * w  # a window boundary
+        traced = self.wait_traced()
+        earliest = time.time() if traced is None else max(time.time(), traced + TRACED_WINDOWS_BEFORE_CLOCK * w)
+        t0 = math.ceil((earliest + self.opts.start_offset_s) / w + 1e-9) * w  # a window boundary
         self.timeline["t0"] = t0
+        self.timeline["traced_before_t0_s"] = None if traced is None else round(t0 - traced, 3)
         self.log(f"[{self.s.name}] model warm; scenario clock starts at the next window boundary"
+                 + (f" {TRACED_WINDOWS_BEFORE_CLOCK} windows after the tracers reached every rank"
+                    if earliest > time.time() else "")
                  + (f" after a {self.opts.start_offset_s:g} s offset" if self.opts.start_offset_s else ""))
         return t0
+
+    def wait_traced(self) -> float | None:
+        """The wall time by which the agent's every tracer had tried every rank (0.0: nothing traces them); None
+        when that did not happen within the budget (logged: the run goes on, and its result says so)."""
+        budget = 120 + 10 * len(self.pids)
+        deadline = time.monotonic() + budget
+        last = time.monotonic()
+        while (traced := self.stack.traced_since(list(self.pids.values()))) is None:
+            self._check_workload()
+            if time.monotonic() > deadline:
+                self.log(f"[{self.s.name}] WARNING: the tracers had not tried every rank within {budget} s; "
+                         "the clock starts anyway, and a source joining during a fault can hide it")
+                return None
+            if time.monotonic() - last >= 10:
+                last = time.monotonic()
+                self.log(f"[{self.s.name}] waiting for the tracers to reach every rank | {self._status()}")
+            time.sleep(0.5)
+        return traced
 
     def _injectors(self, f: FaultSpec) -> list:
         from fleetscope.eval.faults import NODE_WIDE_KINDS, make_fault
@@ -532,6 +564,7 @@ def run_scenario(s: Scenario, opts: RunOptions) -> dict:
            "file": str(s.path), "description": s.description.strip(), "job": run.jobs[0], "jobs": run.jobs,
            "workload": s.workload, "ranks": run.ranks, "window_s": run.window_s, "duration_s": s.duration_s,
            "warmup_windows": run.cfg.warmup_windows, "detect_rule": run.cfg.detect_rule, "t0_unix": t0,
+           "traced_before_t0_s": run.timeline.get("traced_before_t0_s"),
            "data_dir": str(run.data_dir) if opts.keep_data else None,
            "trace": list(run.cfg.trace), "healthy": s.healthy, "faults": faults, "events": run.events_done,
            "impact_pct": [m["impact_pct"] for m in impacts],

@@ -35,3 +35,11 @@ class EvalStack(EmbeddedStack):
             return True
         trace = next((s for s in self.agent.sources if s.name == "trace"), None)
         return trace is None or trace.settled
+
+    def traced_since(self, pids) -> float | None:
+        """The wall time by which the agent's every tracer had tried each of ``pids``; 0.0 when nothing traces
+        them (tracing off, not root, no tracer could start), None while one has not."""
+        if not self.cfg.trace or os.geteuid() != 0:
+            return 0.0
+        trace = next((s for s in self.agent.sources if s.name == "trace"), None)
+        return 0.0 if trace is None else trace.traced_since(pids)
