@@ -139,7 +139,8 @@ def test_the_clock_starts_ten_windows_after_the_tracers_reached_the_last_rank(tm
     run = run_with(tmp_path, traced=now)
     t0 = run.wait_warm()
     w = run.window_s
-    assert t0 >= now + TRACED_WINDOWS_BEFORE_CLOCK * w and t0 - (now + TRACED_WINDOWS_BEFORE_CLOCK * w) <= w + 0.1
+    # at the first window boundary 10 windows after the attach (1 s of slack: a loaded machine may stall the test)
+    assert now + TRACED_WINDOWS_BEFORE_CLOCK * w <= t0 <= now + (TRACED_WINDOWS_BEFORE_CLOCK + 1) * w + 1.0
     assert math.isclose(t0 / w, round(t0 / w))  # on a window boundary
     assert run.timeline["traced_before_t0_s"] >= TRACED_WINDOWS_BEFORE_CLOCK * w
 
@@ -149,4 +150,4 @@ def test_tracers_that_reached_the_ranks_long_before_warm_up_ended_do_not_delay_t
         run = run_with(tmp_path, traced=traced)
         before = time.time()
         t0 = run.wait_warm()
-        assert before < t0 <= before + run.window_s + 0.1
+        assert before < t0 <= before + run.window_s + 1.0  # the next boundary, not 10 windows on (5 s)
