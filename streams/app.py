@@ -19,6 +19,7 @@ from faust.types import TP
 from fleetscope.kafka_settings import KafkaSecurity
 from fleetscope.topics import RAW_SOURCES
 from fleetscope.streams import faust_transport
+from fleetscope.streams.ack_order import PartitionAckOrder
 from fleetscope.streams.flusher import BackgroundFlusher
 from fleetscope.streams.processor import MessageRef, StreamProcessor
 
@@ -61,12 +62,14 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
                     value_serializer="raw", key_serializer="raw")
 
     flusher = BackgroundFlusher(processor)
+    ack_order = PartitionAckOrder()  # Faust commits past unacknowledged messages otherwise (ack_order.py)
 
     @app.agent(raw, name="fleetscope-raw")
     async def consume(stream):
         async for event in stream.noack().events():
             msg = event.message
-            ref = MessageRef(msg.topic, msg.partition, msg.offset, ack=event.ack,
+            ref = MessageRef(msg.topic, msg.partition, msg.offset,
+                             ack=ack_order.track(msg.topic, msg.partition, msg.offset, event.ack),
                              timestamp_ms=int((msg.timestamp or 0) * 1000), highwater=highwater(app, msg))
             processor.handle(event.value, event.headers, ref, key=msg.key)
             await flusher.maybe_flush()
@@ -99,6 +102,7 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
                     await flusher.maybe_flush()
                 await asyncio.sleep(0.01)
             processor.revoke(revoked)
+            ack_order.forget(revoked)
         finally:
             processor.hold_flushes(False)
 
