@@ -23,6 +23,34 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # read when the consumer starts its fetcher
         return consumer
 
+    async def seek_to_committed(self):
+        """Seek each assigned partition to its committed offset, one by one.
+
+        Faust drops the records it fetched while its flow is paused (a rebalance) and seeks back to the committed
+        offsets so that they are fetched again. aiokafka's seek_to_committed() walks the assigned partitions and
+        raises at the first one that was revoked meanwhile, leaving the partitions after it unseeked: their
+        dropped records were never read again, and their events never reached a window (the chaos suite's
+        worker-joins-and-leaves case lost one batch of a partition its worker kept in 4 of 6 loaded runs, Faust
+        having logged "exception performing seek when flow not active" in each failing run examined; with
+        this seek, 2 of 2 loaded runs of the suite passed)."""
+        return await self.call_thread(seek_each_to_committed, self._ensure_consumer())
+
+
+async def seek_each_to_committed(consumer) -> dict:
+    """{partition: committed offset} of the partitions still assigned, each seeked there (None: nothing committed,
+    left where it is, as aiokafka does); a partition revoked meanwhile is skipped, its new owner reads it."""
+    from aiokafka.errors import IllegalStateError
+    offsets = {}
+    for tp in sorted(consumer.assignment()):
+        try:
+            offset = await consumer.committed(tp)
+            if offset and offset > 0:
+                consumer.seek(tp, offset)
+        except IllegalStateError:
+            continue
+        offsets[tp] = offset
+    return offsets
+
 
 class Consumer(faust_aiokafka.Consumer):
     def _new_consumer_thread(self):
