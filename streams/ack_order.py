@@ -32,7 +32,7 @@ class PartitionAckOrder:
             queue = self._queues.get(key)
             if queue is None or (queue and queue[-1][0] >= offset):  # new here, or read again from an earlier
                 if queue is not None:                                 # offset (a seek): a new run
-                    self.held -= sum(1 for e in queue if e[1])
+                    self._drop(queue)
                 queue = self._queues[key] = deque()
             queue.append(entry)
 
@@ -59,4 +59,8 @@ class PartitionAckOrder:
             for topic, partition in partitions:
                 queue = self._queues.pop((topic, int(partition)), None)
                 if queue is not None:
-                    self.held -= sum(1 for e in queue if e[1])
+                    self._drop(queue)
+
+    def _drop(self, queue: deque) -> None:
+        """A run given up (under the lock): its held releases leave the gauge; later ones find it gone."""
+        self.held -= sum(1 for e in queue if e[1])

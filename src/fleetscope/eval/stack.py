@@ -29,17 +29,19 @@ class EvalStack(EmbeddedStack):
         super().start(timeout_s)
         return self
 
+    def _trace_source(self):
+        """The agent's `trace` source, or None when nothing traces here (tracing off, not root, not built)."""
+        if not self.cfg.trace or os.geteuid() != 0:
+            return None
+        return next((s for s in self.agent.sources if s.name == "trace"), None)
+
     def tracers_ready(self) -> bool:
         """True once the agent's eBPF tracer manager runs, or tracing is off or could not start (logged)."""
-        if not self.cfg.trace or os.geteuid() != 0:
-            return True
-        trace = next((s for s in self.agent.sources if s.name == "trace"), None)
+        trace = self._trace_source()
         return trace is None or trace.settled
 
     def traced_since(self, pids) -> float | None:
         """The wall time by which the agent's every tracer had tried each of ``pids``; 0.0 when nothing traces
         them (tracing off, not root, no tracer could start), None while one has not."""
-        if not self.cfg.trace or os.geteuid() != 0:
-            return 0.0
-        trace = next((s for s in self.agent.sources if s.name == "trace"), None)
+        trace = self._trace_source()
         return 0.0 if trace is None else trace.traced_since(pids)
