@@ -11,12 +11,15 @@ a rank it hosts, that rank's window of them on `<prefix>.traces` (fleetscope/tra
   the tracer manager hands each sampled tracer's records to `add_records` on the agent's tick.
 - A listener thread reads `<prefix>.anomalies` from its partitions' ends (no consumer group offsets: anomalies
   from before the agent started have no records here). An anomaly whose host is this agent's is captured once
-  its window's end plus the margin (one window) and a sample interval have passed, so the ticks that carry
-  those calls have run.
+  its window's end plus the margin (one window) and the settle time (two sample intervals) have passed and every
+  detail tracer has been drained past that time (`drained`, from the tracer manager after each tick): a tick
+  that runs late or a tracer sampled on a later tick (busy attaching) must not leave a span's last calls out.
+  A span whose tracers lag that long is captured anyway before its start leaves the ring (at three quarters of
+  the keep time after its start), and counted (`capture_published_early`: its last calls may be missing).
 - The same listener reads live capture requests on `<prefix>.control` (fleetscope/capture_request.py, from
   `fleetscope trace --live`), also from the ends. A valid one, checked against `trace_request_max_s`, is cut
   into pieces of at most half the ring's keep time (so the ring still holds a piece when it is due); each is
-  due at its end plus the settle time, and then each rank of the job this host holds calls of in that piece
+  due as an anomaly's span is, and then each rank of the job this host holds calls of in that piece
   gets a `<prefix>.traces` capture exactly like an anomaly's (window_start_ns/window_end_ns = the piece). A
   job without ranks here publishes nothing. Each piece carries the request's `request_id` (captures around
   anomalies carry none), so the store can tell which request a capture answered. Invalid requests are logged
@@ -113,6 +116,7 @@ class TraceCapture:
         self.window_ns = int(cfg.window_s * 1e9)
         self.settle_ns = int(2 * cfg.sample_interval_s * 1e9)  # the tick after the span's end, or the one after
         self.piece_ns = max(self.ring.keep_ns // 2, 1)  # a live request's pieces: the ring still holds one when due
+        self.drained_ns = 0  # wall ns before which every detail tracer's ended calls have reached add_records
         self.topic_in, self.topic_out = cfg.topic("anomalies"), cfg.topic("traces")
         self.topic_control = cfg.topic("control")
         self.consumer = Consumer(client_conf(cfg, bootstrap, **{
@@ -122,7 +126,7 @@ class TraceCapture:
             "acks": "all", "client.id": "fleetscope-capture", "message.max.bytes": cfg.kafka_message_max_bytes}))
         self.ready = threading.Event()  # set once the listener reads the anomalies and control topics from their ends
         self._stop = threading.Event()
-        self._pending: list[tuple[int, tuple, dict]] = []  # (due wall ns, key, head) of anomalies to capture
+        self._pending: list[tuple[tuple, dict]] = []  # (key, head) of anomalies to capture
         self._requests: list[list] = []  # [next piece's start ns, request] of live requests in progress
         self._seen: OrderedDict = OrderedDict()
         self._identities = LastKnownIdentities(self.resolver, cfg.host)  # a gone rank's calls keep its key
@@ -130,7 +134,7 @@ class TraceCapture:
         self.unranked = self.anomalies = self.published = self.calls_published = self.empty = 0
         self.errors = self.publish_errors = 0
         self.requests = self.requests_invalid = self.request_pieces = 0
-        self.anomalies_ignored = self.detail_opened = 0
+        self.anomalies_ignored = self.detail_opened = self.published_early = 0
         # Without trace_capture_anomalies: called with a live request's end (wall ns) plus the settle time, to open
         # the tracers' detail gate until then (TracingSource.open_detail); set by attach_capture.
         self.open_detail = None
@@ -157,6 +161,11 @@ class TraceCapture:
         except Exception:
             self._failed("keeping the records of %s", source)
 
+    def drained(self, through_ns: int) -> None:
+        """Every detail tracer was sampled at wall ns `through_ns` or later: the calls that ended before it are
+        in the ring (the tracer manager, after each tick). Never raises."""
+        self.drained_ns = max(self.drained_ns, int(through_ns))
+
     def _key_of(self, pid: int, now: int) -> tuple | None:
         who = self._identities.resolve(pid, now)  # gone: its last known identity, if any
         return (who.tenant, who.job, who.rank) if who.rank >= 0 else None
@@ -172,7 +181,8 @@ class TraceCapture:
                 "capture_empty": self.empty, "capture_errors": self.errors,
                 "capture_publish_errors": self.publish_errors, "capture_requests": self.requests,
                 "capture_requests_invalid": self.requests_invalid, "capture_request_pieces": self.request_pieces,
-                "capture_anomalies_ignored": self.anomalies_ignored, "capture_detail_opened": self.detail_opened}
+                "capture_anomalies_ignored": self.anomalies_ignored, "capture_detail_opened": self.detail_opened,
+                "capture_published_early": self.published_early}
 
     # ---- the listener ------------------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -232,7 +242,7 @@ class TraceCapture:
         end = start + self.window_ns
         head = {"tenant": key[0], "job": key[1], "host": self.cfg.host, "rank": key[2], "window_start_ns": start,
                 "window_end_ns": end, "from_ns": start - self.margin_ns, "to_ns": end + self.margin_ns}
-        self._pending.append((head["to_ns"] + self.settle_ns, key, head))
+        self._pending.append((key, head))
 
     def _remember(self, seen) -> bool:
         """False if `seen` was handled already (a replay); else remember it (the newest SEEN_MAX)."""
@@ -272,11 +282,31 @@ class TraceCapture:
     def _known_keys(self) -> set[tuple]:
         return {(who.tenant, who.job, who.rank) for who in self._identities.known() if who.rank >= 0}
 
+    def _due(self, from_ns: int, to_ns: int, now: int) -> bool:
+        """Whether the span [from_ns, to_ns] is captured now: its end plus the settle time has passed and every
+        detail tracer was drained past it, or, with a tracer lagging, its start is about to leave the ring
+        (counted: its last calls may be missing)."""
+        settled = to_ns + self.settle_ns
+        if now < settled:
+            return False
+        if self.drained_ns >= settled:
+            return True
+        if now >= from_ns + self.ring.keep_ns * 3 // 4:
+            self.published_early += 1
+            if self.published_early <= 3 or self.published_early % 100 == 0:
+                log.warning("capturing [%d, %d] before every tracer was sampled past its end (the tracers are "
+                            "drained up to %d): its last calls may be missing (%d such so far)", from_ns, to_ns,
+                            self.drained_ns, self.published_early)
+            return True
+        return False
+
     def capture_due(self, force: bool = False) -> None:
         now = self.clock_ns()
-        due = [p for p in self._pending if force or p[0] <= now]
-        self._pending = [p for p in self._pending if not (force or p[0] <= now)]
-        for _, key, head in due:
+        due, waiting = [], []
+        for p in self._pending:
+            (due if force or self._due(p[1]["from_ns"], p[1]["to_ns"], now) else waiting).append(p)
+        self._pending = waiting
+        for key, head in due:
             calls = self.ring.window(key, head["from_ns"], head["to_ns"])
             if not calls:
                 self.empty += 1
@@ -292,7 +322,7 @@ class TraceCapture:
             start, req = entry
             while start <= req.to_ns:
                 end = min(start + self.piece_ns - 1, req.to_ns)
-                if not (end + self.settle_ns <= now or (force and start <= now)):
+                if not ((force and start <= now) or self._due(start, end, now)):
                     break
                 self._capture_piece(req, start, end)
                 start = entry[0] = end + 1
@@ -352,6 +382,7 @@ def attach_capture(cfg, bootstrap: str, resolver, sources: list) -> TraceCapture
         log.exception("capture around anomalies is off: it failed to start")
         return None
     tracing.on_records = capture.add_records
+    tracing.on_drained = capture.drained
     if not cfg.trace_capture_anomalies:  # else the tracers' detail gate is open for good (registry.py)
         capture.open_detail = tracing.open_detail
     return capture

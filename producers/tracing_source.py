@@ -40,6 +40,7 @@ class TracingSource:
         self._closed = False
         self.manager = None
         self.on_records = None  # the anomaly capture's add_records, when configured (producers/trace_capture.py)
+        self.on_drained = None  # the anomaly capture's drained, likewise
         self._detail_until = 0  # the latest monotonic deadline asked of the tracers' detail gate (0: none)
         self._detail_lock = threading.Lock()  # not _lock: that one is held while the manager starts (seconds)
         self._thread = threading.Thread(target=self._start, name="tracer-start", daemon=True)
@@ -84,6 +85,7 @@ class TracingSource:
         if manager is None:
             return []
         manager.on_records = self.on_records
+        manager.on_drained = self.on_drained
         return manager.sample(now_ns)
 
     def open_detail(self, until_wall_ns: int) -> None:

@@ -192,6 +192,8 @@ def test_without_anomaly_capture_a_live_request_opens_the_gate_for_its_span_and_
             assert time.monotonic() < deadline, capture.stats()
             tick()
         assert capture.requests == 1 and capture.detail_opened == 1 and capture.errors == 0
+        # published once the trace source's tracer was drained past the piece, not at the ring's limit
+        assert capture.published_early == 0 and capture.drained_ns >= req.to_ns + capture.settle_ns
         assert any(req.from_ns <= r["ts_ns"] <= req.to_ns for r in seen), "no records in the span: the gate is shut"
         assert min(r["ts_ns"] for r in seen) > req.requested_at_ns - 10**9, "records from before the request"
 

@@ -22,15 +22,11 @@ from confluent_kafka import Producer
 from fleetscope.capture_request import (CAPTURE_REQUEST_SCHEMA, CaptureRequest, CaptureRequestError, build_request,
                                         check_request, parse_request, publish_request)
 from fleetscope.cli.trace import LIVE_GRACE_S, read_stored, wait_for_calls
-from fleetscope.producers.agent import identity_rules
-from fleetscope.producers.identity import IdentityResolver
-from fleetscope.producers.trace_capture import TraceCapture
-from fleetscope.producers.tracers.manager import TracerManager
 from fleetscope.store import QueryEndpoint, open_store
 from fleetscope.streams.sink.trace_rows import trace_events_rows
 from fleetscope.trace_message import trace_messages
 from support import gpu_fixtures as fixtures
-from support.capture_topics import capture_piece, read_published, start_rank
+from support.capture_topics import capture_piece, capturing_agent, read_published, start_rank
 from support.subscribed_sink import subscribed_sink
 
 make, stubs = fixtures.make, fixtures.stubs
@@ -129,20 +125,6 @@ def test_a_request_waits_for_and_exports_its_own_calls_only(store):
     assert wait_for_calls(store, {**params, "request_id": "theirs"}, NOW, clock_ns=late) == 5
     assert wait_for_calls(store, params, NOW, clock_ns=late) == 12  # without one: any capture's, as the stored path
     assert len(read_stored(store, {**params, "request_id": ""}, False)["calls"]) == 12
-
-
-def capturing_agent(make_tracer, cfg, bootstrap):
-    """(tracer, manager, capture): the CUDA tracer in detail mode, the agent's manager (not started: the test
-    ticks it) handing its records to a started capture that reads the anomalies and control topics."""
-    tracer = make_tracer(detail=True)
-    manager = TracerManager(cfg, tracers={"cuda": tracer}, hit_cost_ns=6000.0)
-    capture = TraceCapture(cfg, bootstrap, IdentityResolver(identity_rules(cfg), host=cfg.host)).start()
-    manager.on_records = capture.add_records  # as TracingSource hands it over on the agent's tick
-    deadline = time.monotonic() + 30
-    while not capture.ready.is_set():
-        assert time.monotonic() < deadline, "the capture never read the anomalies and control topics"
-        time.sleep(0.05)
-    return tracer, manager, capture
 
 
 def drain_into_store(cfg, bootstrap: str, want: int) -> list[dict]:

@@ -21,16 +21,13 @@ import jsonschema
 import pytest
 from confluent_kafka import Consumer, Producer
 
-from fleetscope.producers.agent import identity_rules
-from fleetscope.producers.identity import IdentityResolver
 from fleetscope.producers.trace_capture import CallRing, TraceCapture
-from fleetscope.producers.tracers.manager import TracerManager
 from fleetscope.store import open_store
 from fleetscope.store.migrations import apply, discover
 from fleetscope.streams.sink.trace_rows import trace_events_rows
 from fleetscope.trace_message import TRACE_SCHEMA, trace_messages
 from support import gpu_fixtures as fixtures
-from support.capture_topics import capture_piece
+from support.capture_topics import capture_piece, capturing_agent
 from support.subscribed_sink import subscribed_sink
 
 make, stubs = fixtures.make, fixtures.stubs
@@ -96,16 +93,8 @@ def test_an_anomaly_publishes_its_ranks_window_which_the_sink_stores_and_trace_e
     cfg = replace(pipeline_cfg, kafka=broker.bootstrap, trace_capture_s=30.0, window_s=0.2, sample_interval_s=0.1)
     job = f"job-{uuid.uuid4().hex[:6]}"
     make_tracer, make_workload = make
-    tracer = make_tracer(detail=True)
-    manager = TracerManager(cfg, tracers={"cuda": tracer}, hit_cost_ns=6000.0)  # the agent's manager, not started
-    resolver = IdentityResolver(identity_rules(cfg), host=cfg.host)
-    capture = TraceCapture(cfg, broker.bootstrap, resolver).start()
-    manager.on_records = capture.add_records  # as TracingSource hands it over on the agent's tick
+    tracer, manager, capture = capturing_agent(make_tracer, cfg, broker.bootstrap)
     try:
-        deadline = time.monotonic() + 30
-        while not capture.ready.is_set():
-            assert time.monotonic() < deadline, "the capture never read the anomalies topic"
-            time.sleep(0.05)
         ranks = {}
         for rank in (0, 1):  # two ranks of one job on this host; each sleeps 4 ms in every cudaStreamSynchronize
             w = make_workload("cuda", 300, 0, late_load=True, env={
@@ -217,6 +206,40 @@ def test_a_failing_record_is_counted_never_raised(pipeline_cfg, broker):
                                       "dur_ns": 5}])  # no resolver: no rank, not kept
         assert capture.errors == 1 and capture.unranked == 1 and len(capture.ring) == 0
         assert capture.stats()["capture_errors"] == 1
+    finally:
+        capture.close()
+
+
+def test_a_span_waits_for_every_tracer_to_be_drained_past_its_end_but_not_past_the_rings_hold(pipeline_cfg,
+                                                                                                  broker):
+    """A tick that runs late (a loaded host) or a tracer sampled on a later tick must not leave a span's last calls
+    out: the span is captured once the tracers were drained past its end plus the settle time; a tracer that
+    lags longer does not hold it past three quarters of the ring's keep time after its start (counted)."""
+    cfg = replace(pipeline_cfg, kafka=broker.bootstrap, trace_capture_s=4.0, window_s=0.2, sample_interval_s=0.1)
+    now = [NOW]
+    capture = TraceCapture(cfg, broker.bootstrap, resolver=None, clock_ns=lambda: now[0])  # not started
+    ms = 10**6
+
+    def anomaly(start_ns: int) -> None:  # of a rank here: its span is [start - 0.2 s, start + 0.4 s]
+        a = {"tenant": "", "job": "train", "host": cfg.host, "rank": 0, "window_start_ns": start_ns}
+        capture.on_anomaly(json.dumps(a).encode(), {"fs-schema": b"anomaly/1"})
+
+    def at(t_ms: int, drained_ms: int) -> tuple[int, int]:  # (spans captured, of them early) by then
+        now[0] = NOW + t_ms * ms
+        capture.drained(NOW + drained_ms * ms)
+        capture.capture_due()
+        return capture.empty, capture.stats()["capture_published_early"]  # the ring is empty: captured = empty
+
+    try:
+        anomaly(NOW)  # settled at +600 ms (its end, +400 ms, and two sample intervals)
+        assert at(590, 590) == (0, 0)  # not yet settled
+        assert at(900, 590) == (0, 0)  # settled, but a tracer was last sampled before then: its calls may lag
+        assert at(901, 600) == (1, 0)  # drained past the settled end: captured
+        anomaly(NOW + 1000 * ms)  # span [+800, +1400] ms; the tracers stay drained up to +600 ms from here
+        assert at(1700, 600) == (1, 0)
+        assert at(3799, 600) == (1, 0)
+        assert at(3800, 600) == (2, 1)  # three quarters of the 4 s ring after its start: captured, counted
+        assert capture.drained_ns == NOW + 600 * ms and capture.errors == 0
     finally:
         capture.close()
 

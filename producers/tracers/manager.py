@@ -52,6 +52,8 @@ class TracerManager:
         self.locks = {name: threading.RLock() for name in self.tracers}  # one call per tracer at a time
         self.deferred = 0
         self.on_records = None  # (tracer name, its detail records) after each sample: the anomaly capture
+        self.on_drained = None  # (wall ns) after each tick: every detail tracer was sampled at or after it
+        self._sampled_at: dict[str, int] = {}  # tracer name -> now_ns of its last sample that did not fail
         # the other way, set_detail_until opens the tracers' detail records for a live capture request
         if hit_cost_ns is None:
             hit_cost_ns = cfg.trace_hit_cost_ns or self._calibrate()
@@ -233,9 +235,24 @@ class TracerManager:
                     self.on_records(name, records)  # never raises (producers/trace_capture.py)
             finally:
                 lock.release()
+            if batch is not FAILED:
+                self._sampled_at[name] = now_ns
             if batch is not None and batch is not FAILED:
                 batches.append(batch)
+        self._report_drained()
         return batches
+
+    def _report_drained(self) -> None:
+        """Tell the capture up to when every detail tracer's records have reached it: the oldest of their last
+        samples (a tracer deferred or failing holds it back). Never raises."""
+        detail = [name for name, tracer in self.tracers.items() if getattr(tracer, "detail", False)]
+        if self.on_drained is None or not detail:
+            return
+        try:
+            self.on_drained(min(self._sampled_at.get(name, 0) for name in detail))
+        except Exception:
+            self.errors += 1
+            log.exception("reporting the tracers' drained time to the capture failed")
 
     def set_detail_until(self, monotonic_ns: int) -> int:
         """Open every detail-mode tracer's per-call records until CLOCK_MONOTONIC `monotonic_ns`; how many were

@@ -1,5 +1,6 @@
-"""What the capture tests share: a stand-in rank the CUDA tracer follows, `<prefix>.traces` read back, and
-made-up captures (a live request's piece, an anomaly's capture) for the sink and the store."""
+"""What the capture tests share: the agent's tracer and capture wired as its tick wires them, a stand-in rank
+the CUDA tracer follows, `<prefix>.traces` read back, and made-up captures (a live request's piece, an anomaly's
+capture) for the sink and the store."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,26 @@ import uuid
 
 from confluent_kafka import Consumer
 
+from fleetscope.producers.agent import identity_rules
+from fleetscope.producers.identity import IdentityResolver
+from fleetscope.producers.trace_capture import TraceCapture
+from fleetscope.producers.tracers.manager import TracerManager
 from fleetscope.trace_message import call_of
+
+
+def capturing_agent(make_tracer, cfg, bootstrap):
+    """(tracer, manager, capture): the CUDA tracer in detail mode, the agent's manager (not started: the test
+    ticks it) handing its records to a started capture that reads the anomalies and control topics."""
+    tracer = make_tracer(detail=True)
+    manager = TracerManager(cfg, tracers={"cuda": tracer}, hit_cost_ns=6000.0)
+    capture = TraceCapture(cfg, bootstrap, IdentityResolver(identity_rules(cfg), host=cfg.host)).start()
+    manager.on_records = capture.add_records  # as TracingSource hands them over on the agent's tick
+    manager.on_drained = capture.drained
+    deadline = time.monotonic() + 30
+    while not capture.ready.is_set():
+        assert time.monotonic() < deadline, "the capture never read the anomalies and control topics"
+        time.sleep(0.05)
+    return tracer, manager, capture
 
 
 def start_rank(make_workload, tracer, job: str, rank: int, iters: int):
