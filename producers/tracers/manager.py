@@ -6,6 +6,11 @@
   every poll until it does or exits.
 - A tracer this host cannot run (no root, no bcc, no USDT, a module not
   present) is reported once with its reason and skipped; the others run.
+- An attach that raised (bcc could not create a probe's link, a USDT
+  context failed: seen on loaded hosts as the process mapped libraries)
+  is undone (remove_pid) and tried again after 1, 2, 4 and 8 polls; after
+  ATTACH_RETRIES failures the process stays untraced by that tracer,
+  logged once (`trace_attach_failures`, `trace_attach_given_up`).
 - A background thread runs the overhead governor's duty cycles: every
   `trace_duty_period_s` it takes new duties, attaches each expensive family
   at the period's start and detaches it after duty × period. An always-on
@@ -33,6 +38,7 @@ from fleetscope.producers.tracers.registry import load_tracer
 
 log = logging.getLogger(__name__)
 FAILED = object()  # what _call returns when the call raised
+ATTACH_RETRIES = 4  # a raised attach is tried again this many times, after 1, 2, 4, 8 polls
 
 
 class TracerManager:
@@ -72,6 +78,9 @@ class TracerManager:
         self.attached: dict[str, set[int]] = {name: set() for name in self.tracers}
         # not mapping the tracer's library yet: pid -> library stamp at that attempt (retried when it moves)
         self.waiting: dict[str, dict[int, int | None]] = {name: {} for name in self.tracers}
+        # an attach raised: pid -> (failures so far, monotonic time of the next try); given up: (failures, inf)
+        self.failing: dict[str, dict[int, tuple[int, float]]] = {name: {} for name in self.tracers}
+        self.attach_failures = self.attach_given_up = 0
         # (tracer, pid) -> wall time of its first attempt's outcome, or of its attach (see traced_since)
         self.tried_at: dict[tuple[str, int], float] = {}
         self.last_decision = None
@@ -97,6 +106,7 @@ class TracerManager:
         for pid in ended:
             for name, tracer in self.tracers.items():
                 self.waiting[name].pop(pid, None)
+                self.failing[name].pop(pid, None)
                 self.tried_at.pop((name, pid), None)
                 if pid in self.attached[name]:
                     self.attached[name].discard(pid)
@@ -104,10 +114,12 @@ class TracerManager:
         stamps: dict[int, int | None] = {}
         # quick attaches first: a tracer that compiles per process (USDT) must not hold up the others' probes
         in_attach_order = sorted(self.tracers.items(), key=lambda item: bool(getattr(item[1], "SLOW_ATTACH", False)))
+        now = time.monotonic()
         for name, tracer in in_attach_order:
-            waiting = self.waiting[name]
-            for pid in sorted(found | waiting.keys()):
-                if pid in self.attached[name]:
+            waiting, failing = self.waiting[name], self.failing[name]
+            retry = {pid for pid, (_, at) in failing.items() if at <= now}
+            for pid in sorted(found | waiting.keys() | retry):
+                if pid in self.attached[name] or (pid in failing and pid not in retry):
                     continue
                 if pid not in stamps:
                     stamps[pid] = library_stamp(pid)
@@ -119,8 +131,10 @@ class TracerManager:
                     self._cpu_prev[pid] = process_cpu_seconds([pid])
                 ok = self._call(name, tracer.add_pid, pid)
                 self.tried_at.setdefault((name, pid), time.time())
-                if ok is FAILED:  # it raised (logged); not retried
+                if ok is FAILED:  # it raised (logged)
+                    self._attach_failed(name, tracer, pid)
                     continue
+                failing.pop(pid, None)
                 if ok is False:  # not mapping the library yet
                     waiting[pid] = stamps[pid]
                 else:  # True, or None from tracers whose add_pid returns nothing
@@ -128,6 +142,19 @@ class TracerManager:
                     self.attached[name].add(pid)
                     self.tried_at[(name, pid)] = time.time()
                     log.info("tracing pid %d with the %s tracer", pid, name)
+
+    def _attach_failed(self, name: str, tracer, pid: int) -> None:
+        """Undo what the raised attach left (a retry starts clean) and schedule the next try, or give up."""
+        self._call(name, tracer.remove_pid, pid)
+        self.attach_failures += 1
+        failures = self.failing[name].get(pid, (0, 0.0))[0] + 1
+        if failures > ATTACH_RETRIES:
+            self.failing[name][pid] = (failures, float("inf"))
+            self.attach_given_up += 1
+            log.warning("the %s tracer gave up on pid %d after %d failed attaches: it is not traced by it",
+                        name, pid, failures)
+            return
+        self.failing[name][pid] = (failures, time.monotonic() + self.cfg.trace_poll_s * 2 ** (failures - 1))
 
     def traced_since(self, pids) -> float | None:
         """The wall time by which every tracer had tried each of ``pids`` (attached it, found it not mapping
@@ -273,7 +300,8 @@ class TracerManager:
         out = {"trace_targets": len(set().union(*self.attached.values())) if self.attached else 0,
                "trace_tracers_running": len(self.tracers), "trace_tracers_unavailable": len(self.unavailable),
                "trace_errors": self.errors, "trace_hit_cost_ns": self.hit_cost_ns,
-               "trace_samples_deferred": self.deferred}
+               "trace_samples_deferred": self.deferred, "trace_attach_failures": self.attach_failures,
+               "trace_attach_given_up": self.attach_given_up}
         if self.last_decision is not None:
             d = self.last_decision
             out["trace_budget_used_frac"] = d.spent_s / d.budget_s if d.budget_s > 0 else 0.0

@@ -99,6 +99,11 @@ class UsdtMissing(TracerUnavailable):
     """The interpreter was built without the USDT probes."""
 
 
+class UsdtUnreadable(TracerUnavailable):
+    """bcc could not read the process's USDT probes this time (seen on loaded hosts while it mapped libraries:
+    "USDT failed to instrument PID"); a process without any has an empty list, not this."""
+
+
 def python_probes(pid: int) -> tuple[str, dict[str, tuple[int, int]], str]:
     """(object path, {probe: (file offset, semaphore file offset)}, argument-reader C) for a process.
 
@@ -109,7 +114,7 @@ def python_probes(pid: int) -> tuple[str, dict[str, tuple[int, int]], str]:
         ctx = USDT(pid=pid)
         found = {p.name.decode(): p for p in ctx.enumerate_probes() if p.provider == b"python"}
     except Exception as e:
-        raise TracerUnavailable(f"cannot read the USDT probes of pid {pid} ({exe}): {e}") from e
+        raise UsdtUnreadable(f"cannot read the USDT probes of pid {pid} ({exe}): {e}") from e
     needed = [name for probes in FAMILY_PROBES.values() for name, _ in probes]
     missing = [n for n in needed if n not in found]
     if missing:
@@ -241,7 +246,11 @@ class PythonTracer(DetailRecords, LinkedFamilyTracer):
             for fam, on in self.enabled.items():
                 if on:
                     self._attach(pid, fam)
-        except (TracerUnavailable, OSError, ValueError) as e:
+        except (UsdtUnreadable, OSError) as e:  # this time only (a probe's link, the USDT notes): the manager
+            self.remove_pid(pid)              # tries it again after a while (producers/tracers/manager.py)
+            self.unavailable[pid] = str(e)
+            raise
+        except (TracerUnavailable, ValueError) as e:
             self.remove_pid(pid)
             self.unavailable[pid] = str(e)
             log.warning("python tracer: not tracing pid %d: %s", pid, e)
