@@ -62,7 +62,7 @@ def create_app(cfg, bootstrap: str, processor: StreamProcessor) -> faust.App:
                     value_serializer="raw", key_serializer="raw")
 
     flusher = BackgroundFlusher(processor)
-    ack_order = PartitionAckOrder()  # Faust commits past unacknowledged messages otherwise (ack_order.py)
+    ack_order = processor.ack_order = PartitionAckOrder()  # else Faust commits past unacknowledged messages
 
     @app.agent(raw, name="fleetscope-raw")
     async def consume(stream):

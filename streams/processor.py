@@ -227,6 +227,7 @@ class StreamProcessor:
         self.handling_errors = OutageLog(log, "a message failed after decoding (sent to the DLQ)",
                                          cfg.store_error_log_s, clock)
         self.fatal_error: str | None = None  # the producer cannot go on (see _note_fatal); the worker exits
+        self.ack_order = None  # the worker's PartitionAckOrder (streams/app.py), for its gauge `held_acks`
 
     # ---- jobs' states -------------------------------------------------------------
     def _job_state(self, tenant: str, job: str) -> JobState:
@@ -641,6 +642,7 @@ class StreamProcessor:
                  waiting_windows=self.steps.waiting_windows(),
                  late_events=ws.late_events, revoked_windows=self.revoked_windows, replayed_events=ws.replayed_events,
                  unacked_messages=len(self._pending_refs), unstored_jobs=len(self._waiting),
+                 held_acks=self.ack_order.held if self.ack_order is not None else 0,
                  keys=len(self.windows.keys), evicted_keys=ws.evicted_keys, evicted_models=self.evicted_models,
                  partitions_behind=self.windows.partitions_behind, partition_end_unknown=ws.partition_end_unknown,
                  store_down_s=(self.clock() - self.store_outage.down_since

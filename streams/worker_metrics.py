@@ -41,6 +41,7 @@ COUNTERS = {
 GAUGES = {
     "open_windows": "windows open", "waiting_windows": "closed windows waiting for their job's step",
     "unacked_messages": "consumed messages not yet acknowledged", "keys": "window keys held",
+    "held_acks": "released messages whose acknowledgement waits for an earlier message of their partition",
     "store_down_s": "seconds the store has been failing (0 while it works)",
     "partitions_behind": "raw partitions with messages after the last one handled (their keys do not close as idle)",
 }

@@ -3,9 +3,12 @@
 Faust commits the first run of consecutive acknowledged offsets without always checking that the run starts at
 the committed offset (the last test shows it on Faust's own arithmetic), so an acknowledgement handed over ahead
 of an earlier message could let a commit pass that message. Here the ordering itself, with plain callables for
-Faust's acks; the chaos suite and the scale-out tests run it with real Faust workers and a real broker.
+Faust's acks, and the gauge of held releases in the worker's stats; the chaos suite and the scale-out tests run
+it with real Faust workers and a real broker.
 """
 from fleetscope.streams.ack_order import PartitionAckOrder
+from fleetscope.streams.worker_metrics import WorkerCollector
+from support.host_processor import FakeClock, make_processor
 
 
 def tracked(order, topic, partition, offsets, acked):
@@ -79,3 +82,14 @@ def test_the_premise_faust_commits_past_an_unacknowledged_message_at_the_head():
     release = tracked(order, "raw", 0, [101, 102], acked)
     release[102]()
     assert acked == []  # held until 101 is released: Faust never sees 102 alone
+
+
+def test_the_worker_reports_the_held_releases_in_its_stats(store, tmp_path):
+    proc = make_processor(store, FakeClock(), tmp_path)
+    assert proc.snapshot()["held_acks"] == 0  # no ordering (in-process): nothing held
+    proc.ack_order = order = PartitionAckOrder()  # as the Faust worker wires it (streams/app.py)
+    release = tracked(order, "raw", 0, [1, 2], [])
+    release[2]()
+    assert proc.snapshot()["held_acks"] == 1
+    held = [f for f in WorkerCollector(proc).collect() if f.name == "fleetscope_worker_held_acks"]
+    assert [s.value for f in held for s in f.samples] == [1.0]  # and on the worker's /metrics

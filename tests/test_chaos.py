@@ -42,7 +42,8 @@ def settle(stack: EmbeddedStack, feed: Feed, timeout_s: float) -> None:
     def done():
         w = stack.worker_stats()
         return (stack.worker_lag() == 0 and w is not None and w["open_windows"] == 0 and w["unacked_messages"] == 0
-                and stack.sink_lag() == 0 and stored_events(stack, feed) + dlq_events(stack, feed) >= feed.sent)
+                and w["held_acks"] == 0 and stack.sink_lag() == 0
+                and stored_events(stack, feed) + dlq_events(stack, feed) >= feed.sent)
     stack.wait_for(done, timeout_s, "the stack to settle", poll_s=1.0)
 
 

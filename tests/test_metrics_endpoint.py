@@ -81,6 +81,7 @@ def test_agent_and_worker_serve_metrics_during_fleetscope_up(tmp_path):
         assert value(worker, "fleetscope_worker_messages_in") > 0
         assert value(worker, "fleetscope_worker_dlq") == 0 and value(worker, "fleetscope_worker_store_errors") == 0
         assert worker["fleetscope_worker_event_time_lag_seconds"][0].value >= 0
+        assert worker["fleetscope_worker_held_acks"][0].value >= 0  # acknowledgements waiting their turn
         flushes = [s for s in worker["fleetscope_worker_flush_seconds"] if s.name.endswith("_count")]
         assert flushes and flushes[0].value > 0  # the histogram times real flushes
         assert value(worker, "fleetscope_worker_dead_letters") == 0
