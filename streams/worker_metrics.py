@@ -6,7 +6,9 @@
 - Results come from the worker's own output topics, read by a consumer of their own group
   (`<consumer_group>-metrics`): with several workers each exports the jobs of the partitions it is given, so a
   job's series come from one worker. One gauge per (job, rank) holds the latest score and threshold, labelled
-  tenant, job, host, rank and role; counters count anomalies per job and diagnoses per KB entry. A job's series
+  tenant, job, host, rank and the latest window's role (streams/model/roles.py: culprit, waiting, node, job; `none`
+  when it was not flagged); counters count anomalies per job and role (the anomalies topic carries no waiting
+  rank) and diagnoses per KB entry. A job's series
   are removed once it has been idle for metrics_job_expire_s, so cardinality follows the live jobs.
 """
 from __future__ import annotations
@@ -45,7 +47,8 @@ GAUGES = {
     "store_down_s": "seconds the store has been failing (0 while it works)",
     "partitions_behind": "raw partitions with messages after the last one handled (their keys do not close as idle)",
 }
-ROLE_UNLABELLED = "unlabelled"  # the worker does not assign roles to windows yet
+ROLE_NONE = "none"  # the role label of a rank whose latest window was not flagged
+ROLE_UNSAID = "culprit"  # an anomaly from a worker that wrote no role: the rank's own flag, as incidents.py reads it
 
 
 class WorkerCollector:
@@ -86,7 +89,8 @@ class ResultMetrics:
                            rank_labels, registry=registry)
         self.threshold = Gauge("fleetscope_rank_threshold", "the threshold in force for the latest window "
                                "(NaN while the job's model warms up)", rank_labels, registry=registry)
-        self.anomalies = Counter("fleetscope_anomalies", "flagged rank-windows", ["tenant", "job"], registry=registry)
+        self.anomalies = Counter("fleetscope_anomalies", "flagged rank-windows on the anomalies topic, by role",
+                                 ["tenant", "job", "role"], registry=registry)
         self.diagnoses = Counter("fleetscope_diagnoses", "diagnoses by knowledge-base entry ('unmatched' included)",
                                  ["tenant", "job", "kb_entry"], registry=registry)
         self.bad_messages = Counter("fleetscope_result_metrics_bad_messages",
@@ -98,10 +102,11 @@ class ResultMetrics:
     def scores(self, batch) -> None:
         c = batch.columns
         tenants, jobs, hosts = (c[k].to_numpy() for k in ("tenant", "job", "host"))
+        roles = c["role"].to_numpy() if "role" in c else None  # a worker before roles: none
         with self.lock:
             for i in range(batch.count):
                 t, j, h, r = str(tenants[i]), str(jobs[i]), str(hosts[i]), str(int(c["rank"][i]))
-                role = ROLE_UNLABELLED
+                role = (str(roles[i]) if roles is not None else "") or ROLE_NONE
                 old = self.roles.get((t, j, h, r))
                 if old is not None and old != role:
                     for metric in (self.score, self.threshold):
@@ -115,10 +120,10 @@ class ResultMetrics:
                     self.series.touch(t, j, metric, labels)
 
     def anomaly(self, record: dict) -> None:
-        t, j = str(record["tenant"]), str(record["job"])
+        t, j, role = str(record["tenant"]), str(record["job"]), str(record.get("role") or ROLE_UNSAID)
         with self.lock:
-            self.anomalies.labels(t, j).inc()
-            self.series.touch(t, j, self.anomalies, (t, j))
+            self.anomalies.labels(t, j, role).inc()
+            self.series.touch(t, j, self.anomalies, (t, j, role))
 
     def diagnosis(self, record: dict) -> None:
         t, j = str(record["tenant"]), str(record["job"])

@@ -100,8 +100,12 @@ def test_panel_queries_return_what_the_sample_fleet_holds(store, fleet):
     assert kwh == pytest.approx({f"{t}/{j}": e / 3.6e6 for (t, j), e in fleet.facts["energy_j"].items()})
     scores = rows("job_rank_scores")
     assert {r["rank"] for r in scores} == {"rank 0", "rank 1", "rank 2", "rank 3"} and len(scores) == 4 * 10
-    flagged = rows("job_flagged_windows")
-    assert len(flagged) == fleet.facts["flagged"] and flagged[0]["top_features"].startswith("nccl_time_frac")
+    flagged = rows("job_flagged_windows")  # every flagged window, the waiting peer's too, each with its role
+    assert len(flagged) == 2 * fleet.facts["flagged"]
+    assert {(r["rank"], r["role"]) for r in flagged} == {(fleet.facts["straggler"], "culprit"),
+                                                          (fleet.facts["waiting"], "waiting")}
+    culprit = [r for r in flagged if r["role"] == "culprit"]
+    assert culprit[0]["top_features"].startswith("nccl_time_frac")
     diag = rows("job_diagnoses")
     assert len(diag) == fleet.facts["flagged"] and "cpu_busy_frac=0.97" in diag[0]["evidence"]
     steps = rows("job_step_rate")

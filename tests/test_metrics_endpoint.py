@@ -104,12 +104,13 @@ def test_agent_and_worker_serve_metrics_during_fleetscope_up(tmp_path):
     assert read_metrics_url(tmp_path, "agent") is None  # a stopped endpoint removes its note
 
 
-def scores_message(tenant, job, ranks, score, threshold) -> bytes:
+def scores_message(tenant, job, ranks, score, threshold, roles) -> bytes:
     n = len(ranks)
     cols = {"window_start_ns": np.full(n, time.time_ns(), dtype="<i8"), "tenant": StrColumn.of([tenant] * n),
             "job": StrColumn.of([job] * n), "host": StrColumn.of([f"h{r % 2}" for r in ranks]),
             "rank": np.array(ranks, dtype="<i4"), "score": np.array(score, dtype="<f8"),
-            "threshold": np.array(threshold, dtype="<f8"), "is_anomaly": np.zeros(n, dtype="<u1")}
+            "threshold": np.array(threshold, dtype="<f8"), "is_anomaly": np.array([bool(x) for x in roles], dtype="<u1"),
+            "role": StrColumn.of(roles)}
     return wire.encode(Batch("scores", "worker-host", cols))
 
 
@@ -125,10 +126,14 @@ def test_result_series_follow_the_output_topics_and_expire_with_their_job(pipeli
 
         def publish_all():
             p.produce(cfg.topic("scores"), key=b"acme/train-1",
-                      value=scores_message("acme", "train-1", [0, 1, 2], [5.0, 6.0, 31.0], [20.0, 20.0, 20.0]))
+                      value=scores_message("acme", "train-1", [0, 1, 2], [5.0, 21.0, 31.0], [20.0, 20.0, 20.0],
+                                           ["", "waiting", "culprit"]))
             p.produce(cfg.topic("anomalies"), key=b"acme/train-1", value=json.dumps(
                 {"tenant": "acme", "job": "train-1", "host": "h0", "rank": 2, "window_start_ns": 1,
-                 "score": 31.0, "threshold": 20.0}).encode())
+                 "score": 31.0, "threshold": 20.0, "role": "culprit"}).encode())
+            p.produce(cfg.topic("anomalies"), key=b"acme/train-1", value=json.dumps(
+                {"tenant": "acme", "job": "train-1", "host": "h0", "rank": 0, "window_start_ns": 1,
+                 "score": 25.0, "threshold": 20.0, "role": "node"}).encode())
             p.produce(cfg.topic("diagnoses"), key=b"acme/train-1", value=json.dumps(
                 {"tenant": "acme", "job": "train-1", "host": "h0", "rank": 2, "window_start_ns": 1,
                  "matches": [{"kb_entry": "cpu_contention", "confidence": 0.8}]}).encode())
@@ -147,9 +152,12 @@ def test_result_series_follow_the_output_topics_and_expire_with_their_job(pipeli
         scores = {s.labels["rank"]: s for s in fams["fleetscope_rank_score"]}
         assert scores["2"].value == 31.0 and scores["0"].value == 5.0
         assert set(scores["2"].labels) == {"tenant", "job", "host", "rank", "role"}
+        assert {r: s.labels["role"] for r, s in scores.items()} == {"0": "none", "1": "waiting", "2": "culprit"}
         assert scores["2"].labels["tenant"] == "acme" and scores["2"].labels["host"] == "h0"
         assert {s.labels["rank"]: s.value for s in fams["fleetscope_rank_threshold"]}["1"] == 20.0
-        assert value(fams, "fleetscope_anomalies", tenant="acme", job="train-1") >= 1
+        assert value(fams, "fleetscope_anomalies", tenant="acme", job="train-1", role="culprit") >= 1
+        fams = wait_for(lambda: (f := scrape(endpoint.url)) and value(f, "fleetscope_anomalies", role="node") > 0
+                        and f, 30, "the node anomaly")
         assert value(fams, "fleetscope_diagnoses", kb_entry="cpu_contention") >= 1
         assert value(fams, "fleetscope_result_metrics_bad_messages") >= 1
 

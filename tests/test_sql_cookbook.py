@@ -41,7 +41,9 @@ def test_top_slow_ranks_puts_the_straggler_first(store, fleet):
     rows = run_saved(store, "top_slow_ranks", tenant="acme", job="train-1", hours=1)
     assert [r["rank"] for r in rows][0] == fleet.facts["straggler"]
     assert rows[0]["flagged_windows"] == fleet.facts["flagged"] and rows[0]["windows"] == 10
-    assert all(r["flagged_windows"] == 0 for r in rows[1:]) and len(rows) == 4
+    assert all(r["flagged_windows"] == 0 for r in rows[1:]) and len(rows) == 4  # the waiting peer is not flagged
+    assert {r["rank"]: r["waiting_windows"] for r in rows} == {
+        r["rank"]: fleet.facts["flagged"] if r["rank"] == fleet.facts["waiting"] else 0 for r in rows}
     assert rows[0]["mean_nccl_time_frac"] < rows[1]["mean_nccl_time_frac"]  # the straggler waits least
 
 
@@ -61,6 +63,7 @@ def test_ofu_over_time_gives_each_nodes_ofu_per_bucket(store, fleet):
 def test_tenant_anomalies_lists_only_that_tenants_flags_with_top_features(store, fleet):
     rows = run_saved(store, "tenant_anomalies", tenant="acme", hours=1)
     assert len(rows) == fleet.facts["flagged"] and {r["rank"] for r in rows} == {fleet.facts["straggler"]}
+    assert {r["role"] for r in rows} == {"culprit"}  # not the peer that waits on it
     assert rows[0]["top_features"] == "nccl_time_frac, cpu_busy_frac, gpu_util"
     assert rows[0]["window_start"] > rows[-1]["window_start"]  # newest first
     assert run_saved(store, "tenant_anomalies", tenant="beta", hours=1) == []

@@ -1,6 +1,7 @@
 -- Grafana, fleet overview: nodes whose ranks were flagged, with their GPU throttling in the same range.
--- The store keeps no node-level role yet (no `role` column): a node appears here when ranks it hosts were
--- flagged, and throttled_windows counts its node windows with a clock-limiting throttle reason.
+-- A node appears here when ranks it hosts were flagged as culprits, or with role `node` or `job` (a peer that
+-- only waits on a culprit elsewhere does not count), and throttled_windows counts its node windows with a
+-- clock-limiting throttle reason.
 SELECT
     a.host AS host,
     a.anomalies AS anomalies,
@@ -12,7 +13,7 @@ FROM
     SELECT host, count() AS anomalies, uniqExact(tenant, job, rank) AS flagged_ranks,
            arrayStringConcat(arraySort(groupUniqArray(concat(tenant, '/', job))), ', ') AS jobs
     FROM anomalies FINAL
-    WHERE $__timeFilter(window_start)
+    WHERE $__timeFilter(window_start) AND role != 'waiting'
     GROUP BY host
 ) AS a
 LEFT JOIN

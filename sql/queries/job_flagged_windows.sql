@@ -1,8 +1,9 @@
--- Grafana, job view: the job's flagged windows, newest first. The store has no `role` column yet
--- (culprit / waiting / node / job), so the detectors that fired stand in for it.
+-- Grafana, job view: the job's flagged windows, newest first, each with its role: culprit (the rank the job
+-- waits for), waiting (a peer waiting on it: shown, never alerted), node or job (streams/model/roles.py).
 SELECT
     window_start,
     rank,
+    role,
     host,
     round(score, 3) AS score,
     round(threshold, 3) AS threshold,

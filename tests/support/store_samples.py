@@ -1,8 +1,8 @@
 """A small fleet's worth of rows, inserted through the store's own insert path (Store.insert), with the facts
 the saved queries and dashboard panels should find in them.
 
-Two tenants: acme/train-1 (ranks 0-3 on hosts h0 and h1, rank 2 a straggler flagged in six windows) and
-beta/eval-2 (ranks 0-1 on h1, never flagged). Node windows (tenant `_node`, job = host) carry host and GPU
+Two tenants: acme/train-1 (ranks 0-3 on hosts h0 and h1, rank 2 a straggler flagged as the culprit in six
+windows, rank 0 flagged in the same windows as waiting on it, as the sink stores a waiting peer) and beta/eval-2 (ranks 0-1 on h1, never flagged). Node windows (tenant `_node`, job = host) carry host and GPU
 features. Windows are one minute apart and end a minute before `now`, so "the last hour" holds all of them.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ WINDOWS = 10
 STEP_NS = 60 * 10**9
 STRAGGLER = 2
 FLAGGED = (3, 4, 5, 6, 7, 8)  # window indices where rank 2 is flagged
+WAITING = 0                   # the rank (on h0) flagged in the same windows as waiting on the straggler
 CPU_ENTRY = (3, 4, 5, 6)      # of those, the windows diagnosed as cpu_contention; the rest are unmatched
 RANKS = {("acme", "train-1"): {0: "h0", 1: "h0", 2: "h1", 3: "h1"}, ("beta", "eval-2"): {0: "h1", 1: "h1"}}
 ENERGY_J = {("acme", "train-1"): 50.0, ("beta", "eval-2"): 20.0}  # per rank and window
@@ -50,7 +51,8 @@ def insert_sample_fleet(store, now_ns: int | None = None) -> SampleFleet:
         "energy_j": {job: e * len(RANKS[job]) * WINDOWS for job, e in ENERGY_J.items()},
         "ofu": OFU,
         "straggler": STRAGGLER,
-        "flagged": len(FLAGGED),
+        "flagged": len(FLAGGED),  # the culprit's windows: what counts as an anomaly
+        "waiting": WAITING,
         "kb": {"cpu_contention": len(CPU_ENTRY), "unmatched": len(FLAGGED) - len(CPU_ENTRY)},
         "dlq": {(reason, topic): n for reason, topic, n in DLQ},
     }
@@ -91,24 +93,27 @@ def _features(store, starts) -> None:
 
 def _scores_and_anomalies(store, starts, now_ns) -> None:
     s = {k: [] for k in ("tenant", "job", "host", "rank", "window_start", "score", "threshold", "is_anomaly",
-                         "detectors", "warm", "emitted_at")}
-    a = {k: [] for k in ("tenant", "job", "host", "rank", "window_start", "score", "threshold", "detectors",
+                         "role", "detectors", "warm", "emitted_at")}
+    a = {k: [] for k in ("tenant", "job", "host", "rank", "window_start", "score", "threshold", "detectors", "role",
                          "contributions", "peer_z", "feature", "emitted_at")}
     for i, start in enumerate(starts):
         for tenant, job, rank, host in _rank_rows():
-            flagged = (tenant, job, rank) == ("acme", "train-1", STRAGGLER) and i in FLAGGED
-            score = 30.0 + i if flagged else 5.0 + rank * 0.1
+            in_fault = (tenant, job) == ("acme", "train-1") and i in FLAGGED
+            role = ("culprit" if rank == STRAGGLER else "waiting" if rank == WAITING else "") if in_fault else ""
+            score = 30.0 + i if role == "culprit" else 21.0 if role == "waiting" else 5.0 + rank * 0.1
             for k, v in (("tenant", tenant), ("job", job), ("host", host), ("rank", rank), ("window_start", start),
-                         ("score", score), ("threshold", 20.0), ("is_anomaly", int(flagged)),
-                         ("detectors", ["gmm", "peer"] if flagged else []), ("warm", 1), ("emitted_at", now_ns)):
+                         ("score", score), ("threshold", 20.0), ("is_anomaly", int(bool(role))), ("role", role),
+                         ("detectors", ["gmm", "peer"] if role else []), ("warm", 1), ("emitted_at", now_ns)):
                 s[k].append(v)
-            if flagged:
+            if role:
+                own = role == "culprit"  # a waiting row comes from its score: no contributions (streams/sink/tables.py)
                 for k, v in (("tenant", tenant), ("job", job), ("host", host), ("rank", rank),
                              ("window_start", start), ("score", score), ("threshold", 20.0),
-                             ("detectors", ["gmm", "peer"]),
-                             ("contributions", {"nccl_time_frac": 6.0, "cpu_busy_frac": 3.0, "gpu_util": 1.0}),
-                             ("peer_z", {"nccl_time_frac": -4.0}), ("feature", {"nccl_time_frac": 0.05}),
-                             ("emitted_at", now_ns)):
+                             ("detectors", ["gmm", "peer"]), ("role", role),
+                             ("contributions", {"nccl_time_frac": 6.0, "cpu_busy_frac": 3.0, "gpu_util": 1.0} if own
+                              else {}),
+                             ("peer_z", {"nccl_time_frac": -4.0} if own else {}),
+                             ("feature", {"nccl_time_frac": 0.05} if own else {}), ("emitted_at", now_ns)):
                     a[k].append(v)
     store.insert("scores", _typed(s))
     store.insert("anomalies", _typed(a))
