@@ -75,7 +75,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs 
 
 
 @needs_root
-def test_the_python_tracer_raises_a_passing_failure_and_answers_false_for_a_permanent_one(monkeypatch):
+def test_the_python_tracer_raises_a_passing_failure_and_answers_false_when_permanent_or_gone(monkeypatch):
     from fleetscope.producers.tracers import python_vm
 
     tracer = python_vm.PythonTracer("node-a")
@@ -97,6 +97,10 @@ def test_the_python_tracer_raises_a_passing_failure_and_answers_false_for_a_perm
         assert python.pid not in tracer.pids and "USDT failed" in tracer.unavailable[python.pid]
         assert tracer.add_pid(python.pid) is True and python.pid not in tracer.unavailable  # the retry attaches
         assert tracer.add_pid(other.pid) is False and other.pid in tracer.unavailable
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        calls.clear()  # fails again, as bcc does for a process that exited: nothing to retry, no traceback logged
+        assert tracer.add_pid(gone.pid) is False and gone.pid in tracer.unavailable
     finally:
         stop_all([python, other])
         tracer.close()

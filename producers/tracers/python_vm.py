@@ -247,9 +247,11 @@ class PythonTracer(DetailRecords, LinkedFamilyTracer):
                 if on:
                     self._attach(pid, fam)
         except (UsdtUnreadable, OSError) as e:  # this time only (a probe's link, the USDT notes): the manager
-            self.remove_pid(pid)              # tries it again after a while (producers/tracers/manager.py)
-            self.unavailable[pid] = str(e)
-            raise
+            self.remove_pid(pid)              # tries it again after a while (producers/tracers/manager.py),
+            self.unavailable[pid] = str(e)    # unless the process is gone (it drops it at its next poll)
+            if os.path.exists(f"/proc/{pid}"):
+                raise
+            return False
         except (TracerUnavailable, ValueError) as e:
             self.remove_pid(pid)
             self.unavailable[pid] = str(e)
