@@ -152,6 +152,22 @@ struct cuda_mem_stats {  /* per pid, cumulative; live = malloc - free */
 struct nccl_comm_info {
     s32 rank;
     s32 nranks;
+    u64 uid;        /* the communicator's identity across ranks (bpf/nccl.bpf.c: comm_uid); 0: unknown */
+};
+
+/* A communicator's collective sequence (bpf/nccl.bpf.c): the n-th collective a process entered on it
+ * since its init, the same n on every rank of it, and the entry times of the latest marked ones
+ * (every 2^shift-th, in a ring of NCCL_SEQ_MARKS; the shift is user space's, in map seq_shift). */
+#define NCCL_SEQ_MARKS 64
+struct nccl_seq_mark {
+    u64 seq;
+    u64 ts;         /* entry, bpf_ktime_get_ns */
+};
+
+struct nccl_comm_seq {
+    u64 uid;
+    u64 seq;
+    struct nccl_seq_mark marks[NCCL_SEQ_MARKS];
 };
 
 static __always_inline u32 gpu_lat_bucket(u64 ns) {

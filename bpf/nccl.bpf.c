@@ -11,7 +11,12 @@
 #define INIT_ALL_MAX 16  /* ncclCommInitAll: communicators read per call (one per local GPU) */
 
 BPF_HASH(peer_bytes, struct gpu_sub_key, u64, 4096);        /* (pid, Send/Recv, peer) -> bytes */
-BPF_HASH(comms, struct gpu_sub_key, struct nccl_comm_info, 1024);  /* (pid, 0, comm) -> rank, nranks */
+BPF_HASH(comms, struct gpu_sub_key, struct nccl_comm_info, 1024);  /* (pid, 0, comm) -> rank, nranks, uid */
+/* (pid, 0, comm) -> its collective sequence, for communicators whose init was traced (so every rank
+ * counts from the same first collective); producers/tracers/nccl.py reads the marks. */
+BPF_HASH(comm_seq, struct gpu_sub_key, struct nccl_comm_seq, 1024);
+BPF_HASH(seq_shift, struct gpu_sub_key, u64, 1024);      /* (pid, 0, comm) -> mark every 2^shift-th; user space's */
+BPF_ARRAY(zero_seq, struct nccl_comm_seq, 1);             /* an initial value too big for the stack */
 
 /* ncclDataType_t -> bytes per element (NCCL 2.x numbering). */
 static __always_inline u64 dtype_size(u64 dt) {
@@ -29,17 +34,75 @@ static __always_inline int enter(u32 api, u64 count, u64 dt, u64 op, u64 peer, u
     return gpu_call_enter(bpf_get_current_pid_tgid(), api, FAM_collectives, count, dt, op, peer, comm, stream);
 }
 
+
 static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {  /* the nth stack argument (7th integer arg = 0) */
     u64 v = 0;
     bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n + 1)));
     return v;
 }
 
-static __always_inline void note_comm(u32 pid, u64 comm, s32 rank, s32 nranks) {
+/* The communicator's identity across its ranks: ncclComm_t is a per-process pointer, but every rank
+ * of one communicator was given the same ncclUniqueId, whose first 8 bytes are NCCL's random magic
+ * (ncclBootstrapHandle). It is passed by value on the stack: at entry it starts just above the return
+ * address. 0 (unknown) is never a uid. */
+static __always_inline u64 comm_uid(struct pt_regs *ctx) {
+    u64 magic = 0;
+    bpf_probe_read_user(&magic, sizeof(magic), (void *)(PT_REGS_SP(ctx) + 8));
+    return magic ? magic : 1;
+}
+
+/* A split's members share their parent's uid and their color (a hash of both; nonzero). */
+static __always_inline u64 split_uid(u32 pid, u64 parent, s32 color) {
+    struct gpu_sub_key pk = {.pid = pid, .sub = parent};
+    struct nccl_comm_info *p = comms.lookup(&pk);
+    if (!p || !p->uid)
+        return 0;
+    u64 h = (p->uid ^ (u64)(u32)color) * 0x9E3779B97F4A7C15ULL;
+    return h ? h : 1;
+}
+
+static __always_inline void note_comm(u32 pid, u64 comm, s32 rank, s32 nranks, u64 uid) {
     struct gpu_sub_key ck = {.pid = pid, .sub = comm};
-    struct nccl_comm_info info = {.rank = rank, .nranks = nranks};
+    struct nccl_comm_info info = {.rank = rank, .nranks = nranks, .uid = uid};
     if (comms.update(&ck, &info) != 0)
         count_lost();
+    if (!uid)
+        return;
+    int z = 0;
+    struct nccl_comm_seq *zero = zero_seq.lookup(&z);
+    if (!zero)
+        return;
+    /* a new communicator (or a new one at a freed one's address) counts from 0 */
+    if (comm_seq.update(&ck, zero) != 0) {
+        count_lost();
+        return;
+    }
+    struct nccl_comm_seq *s = comm_seq.lookup(&ck);
+    if (s)
+        s->uid = uid;
+}
+
+/* A collective entered on `comm`: its sequence number on the communicator, and every 2^shift-th one's
+ * entry time in the ring. Communicators whose init was not traced have no entry: not counted. */
+static __always_inline void count_collective(u32 pid, u64 comm) {
+    struct gpu_sub_key ck = {.pid = pid, .sub = comm};
+    struct nccl_comm_seq *s = comm_seq.lookup(&ck);
+    if (!s)
+        return;
+    u64 seq = __sync_fetch_and_add(&s->seq, 1) + 1;
+    u64 *shift = seq_shift.lookup(&ck);
+    u64 every_mask = shift ? ((1ULL << (*shift & 15)) - 1) : 0;
+    if (seq & every_mask)
+        return;
+    u32 slot = (seq >> (shift ? (*shift & 15) : 0)) & (NCCL_SEQ_MARKS - 1);
+    s->marks[slot].ts = bpf_ktime_get_ns();
+    s->marks[slot].seq = seq;
+}
+
+/* A collective (not point-to-point, group or init): counted in its communicator's sequence, then entered. */
+static __always_inline int enter_collective(u32 api, u64 count, u64 dt, u64 op, u64 peer, u64 comm, u64 stream) {
+    count_collective(bpf_get_current_pid_tgid() >> 32, comm);
+    return enter(api, count, dt, op, peer, comm, stream);
 }
 
 int on_return(struct pt_regs *ctx) {
@@ -53,8 +116,10 @@ int on_return(struct pt_regs *ctx) {
     u64 bytes = 0;
     if (f.api == API_ncclCommInitRank || f.api == API_ncclCommInitRankConfig || f.api == API_ncclCommSplit) {
         u64 comm = 0;  /* a split with NCCL_SPLIT_NOCOLOR gives no communicator */
-        if (rc == 0 && bpf_probe_read_user(&comm, sizeof(comm), (void *)f.arg[0]) == 0 && comm)
-            note_comm(pid, comm, (s32)f.arg[3], (s32)f.arg[1]);
+        if (rc == 0 && bpf_probe_read_user(&comm, sizeof(comm), (void *)f.arg[0]) == 0 && comm) {
+            u64 uid = f.api == API_ncclCommSplit ? split_uid(pid, f.arg[5], (s32)f.arg[2]) : f.arg[5];
+            note_comm(pid, comm, (s32)f.arg[3], (s32)f.arg[1], uid);
+        }
         f.arg[4] = comm;
     } else if (f.api == API_ncclCommInitAll) {
         u64 comm = 0, first = 0;
@@ -64,8 +129,8 @@ int on_return(struct pt_regs *ctx) {
                 break;
             if (i == 0)
                 first = comm;
-            if (comm)
-                note_comm(pid, comm, i, ndev);
+            if (comm)  /* one process holds every rank: no cross-process order to compare */
+                note_comm(pid, comm, i, ndev, 0);
         }
         f.arg[4] = first;
     } else if (f.api != API_ncclGroupStart && f.api != API_ncclGroupEnd) {
@@ -95,27 +160,27 @@ int on_return(struct pt_regs *ctx) {
 
 /* ncclAllReduce(send, recv, count, dt, op, comm, stream@stack) */
 static __always_inline int on_ncclAllReduce(struct pt_regs *ctx) {
-    return enter(API_ncclAllReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
+    return enter_collective(API_ncclAllReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
                  PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
 }
 /* ncclReduceScatter(send, recv, recvcount, dt, op, comm, stream@stack) */
 static __always_inline int on_ncclReduceScatter(struct pt_regs *ctx) {
-    return enter(API_ncclReduceScatter, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
+    return enter_collective(API_ncclReduceScatter, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), NONE,
                  PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
 }
 /* ncclAllGather(send, recv, sendcount, dt, comm, stream) */
 static __always_inline int on_ncclAllGather(struct pt_regs *ctx) {
-    return enter(API_ncclAllGather, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, NONE, PT_REGS_PARM5(ctx),
+    return enter_collective(API_ncclAllGather, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, NONE, PT_REGS_PARM5(ctx),
                  PT_REGS_PARM6(ctx));
 }
 /* ncclBroadcast(send, recv, count, dt, root, comm, stream@stack) */
 static __always_inline int on_ncclBroadcast(struct pt_regs *ctx) {
-    return enter(API_ncclBroadcast, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, (s32)PT_REGS_PARM5(ctx),
+    return enter_collective(API_ncclBroadcast, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), NONE, (s32)PT_REGS_PARM5(ctx),
                  PT_REGS_PARM6(ctx), stack_arg(ctx, 0));
 }
 /* ncclReduce(send, recv, count, dt, op, root, comm@stack, stream@stack) */
 static __always_inline int on_ncclReduce(struct pt_regs *ctx) {
-    return enter(API_ncclReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), (s32)PT_REGS_PARM6(ctx),
+    return enter_collective(API_ncclReduce, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), (s32)PT_REGS_PARM6(ctx),
                  stack_arg(ctx, 0), stack_arg(ctx, 1));
 }
 /* ncclSend(buf, count, dt, peer, comm, stream), ncclRecv(same) */
@@ -130,16 +195,16 @@ static __always_inline int on_ncclRecv(struct pt_regs *ctx) {
 static __always_inline int on_ncclGroupStart(struct pt_regs *ctx) { return enter(API_ncclGroupStart, 0, NONE, NONE, NONE, NONE, NONE); }
 static __always_inline int on_ncclGroupEnd(struct pt_regs *ctx) { return enter(API_ncclGroupEnd, 0, NONE, NONE, NONE, NONE, NONE); }
 /* ncclCommInitRank(comm *out, nranks, ncclUniqueId (128 bytes, by value: on
- * the stack, so it takes no register), rank). Record: [out, nranks, -, rank, comm at return, -]. */
+ * the stack, so it takes no register), rank). Record: [out, nranks, -, rank, comm at return, uid]. */
 static __always_inline int on_ncclCommInitRank(struct pt_regs *ctx) {
     return enter(API_ncclCommInitRank, PT_REGS_PARM1(ctx), (s32)PT_REGS_PARM2(ctx), NONE, (s32)PT_REGS_PARM3(ctx),
-                 0, NONE);
+                 0, comm_uid(ctx));
 }
 
 /* ncclCommInitRankConfig(comm *out, nranks, ncclUniqueId (stack), rank, config): as ncclCommInitRank. */
 static __always_inline int on_ncclCommInitRankConfig(struct pt_regs *ctx) {
     return enter(API_ncclCommInitRankConfig, PT_REGS_PARM1(ctx), (s32)PT_REGS_PARM2(ctx), NONE,
-                 (s32)PT_REGS_PARM3(ctx), 0, NONE);
+                 (s32)PT_REGS_PARM3(ctx), 0, comm_uid(ctx));
 }
 /* ncclCommSplit(parent, color, key, comm *out, config). NCCL orders the new ranks by key, and
  * PyTorch passes the rank in the new group as the key, so the key is the new rank; the size is

@@ -129,9 +129,69 @@ def test_attach_after_start_and_exit_mid_trace(make):
     assert 0.7 * 200 * elapsed <= n <= 1.15 * 200 * elapsed, (n, elapsed)
     assert abs(got[("nccl.bytes", "AllReduce")] - 4000 * n) <= 4000 * 2
     assert not any(k[0] == "nccl.comm_rank" for k in got)  # the comm was formed before attach: unknown
+    # and its collectives are not numbered: this rank's count would not start where its peers' did
+    assert not any(k[0] in ("nccl.comm_seq", "nccl.coll_entry_ns") for k in got)
     for r in rows(batch):
         assert r["sample_frac"] == pytest.approx(1.0, abs=0.01)
     w.kill()
     tracer.sample()
     assert w.pid not in tracer.pids and tracer.attached_probes() == 0
     assert [r["metric"] for r in rows(tracer.sample())] == ["nccl.lost_events"]
+
+
+def test_each_communicator_numbers_its_collectives_from_its_init_and_marks_their_entry_times(make):
+    """The n-th collective of a communicator is the same call on every rank: counted from the traced init, under
+    the uid every rank was given (the ncclUniqueId's first 8 bytes; workload.c fills it with 0x11), with the
+    entry times of the latest SEQ_MARKS sent once each."""
+    from fleetscope.producers.tracers.nccl import SEQ_MARKS
+    make_tracer, make_workload = make
+    tracer = make_tracer(detail=True)
+    w = make_workload("nccl", ITERS, 0)
+    w.loaded()
+    assert tracer.add_pid(w.pid)
+    t0 = time.time_ns()
+    w.go()
+    assert w.finish()[0] == ITERS
+    batch = tracer.sample()
+    init = next(r for r in tracer.records if r["api"] == "ncclCommInitRank")
+    uid = "11" * 8
+    assert init["uid"] == uid
+    got = index([batch], w.pid)
+    sequenced = 5 * ITERS  # AllReduce, AllGather, ReduceScatter, Broadcast, Reduce; not Send/Recv or groups
+    assert got[("nccl.comm_seq", uid)] == sequenced
+    marks = {int(k[1].split("#")[1]): v for k, v in got.items() if k[0] == "nccl.coll_entry_ns"}
+    assert sorted(marks) == list(range(sequenced - SEQ_MARKS + 1, sequenced + 1))
+    times = [marks[n] for n in sorted(marks)]
+    assert times == sorted(times) and t0 <= times[0] and times[-1] <= time.time_ns()
+    again = index([tracer.sample()], w.pid)  # the process is gone now, its rows with it; nothing is sent twice
+    assert not any(k[0] == "nccl.coll_entry_ns" for k in again)
+
+
+def test_a_fast_communicator_is_marked_sparsely_so_every_rank_keeps_the_same_numbers():
+    from fleetscope.producers.tracers.nccl import MARKS_PER_TICK, mark_shift
+    assert [mark_shift(n) for n in (0, 1, MARKS_PER_TICK)] == [0, 0, 0]
+    assert [mark_shift(n) for n in (MARKS_PER_TICK + 1, 2 * MARKS_PER_TICK, 2 * MARKS_PER_TICK + 1)] == [1, 1, 2]
+    assert mark_shift(10**12) == 15  # the BPF side reads 4 bits
+
+
+def test_marks_thin_out_on_a_communicator_too_fast_for_the_ring(make):
+    from fleetscope.producers.tracers.nccl import mark_shift
+    make_tracer, make_workload = make
+    tracer = make_tracer()
+    w = make_workload("nccl", -1, 200)  # 200 iterations/s of 5 sequenced collectives
+    w.loaded()
+    assert tracer.add_pid(w.pid)
+    w.go()
+    time.sleep(0.5)
+    first = index([tracer.sample()], w.pid)
+    time.sleep(0.5)
+    second = index([tracer.sample()], w.pid)
+    w.kill()
+    uid = "11" * 8
+    per_tick = second[("nccl.comm_seq", uid)] - first[("nccl.comm_seq", uid)]
+    shift = mark_shift(per_tick)  # what the first sample's count set, and the second's agrees
+    assert shift >= 2, per_tick
+    marked = [int(k[1].split("#")[1]) for k in second if k[0] == "nccl.coll_entry_ns"]
+    # after the first sample set the shift, only every 2^shift-th is marked (a nested coarser one as well)
+    late = [n for n in marked if n > first[("nccl.comm_seq", uid)] + per_tick // 4]
+    assert late and all(n % (1 << (shift - 1)) == 0 for n in late), (shift, sorted(late)[:10])

@@ -14,6 +14,22 @@ Rows (source "nccl"), per pid:
   orders a split's ranks by key and PyTorch passes the new group rank as the
   key, so the rank is the key; the size is not an argument, so a split
   communicator has no nccl.comm_nranks row;
+- nccl.comm_seq (gauge, device = the communicator's uid in hex): how many
+  collectives (AllReduce, ReduceScatter, AllGather, Broadcast, Reduce) the
+  process has entered on it since its init, for communicators whose init
+  was traced. The uid is the first 8 bytes of the ncclUniqueId every rank of
+  the communicator was given (NCCL's random magic); a split's is its
+  parent's and its color's. So the n-th collective of a communicator is the
+  same call on every rank, and ranks on different hosts can be compared;
+- nccl.coll_entry_ns (gauge, device "<uid>#<n>"): when the process entered
+  the communicator's n-th collective (epoch ns), for the marked n: every
+  one while a communicator runs fewer than MARKS_PER_TICK collectives per
+  sample, else every 2^k-th, k the same on every rank of a communicator
+  that runs at the same rate (the rate is the communicator's, not the
+  rank's). The worker compares the ranks' entry times of the same n: the
+  rank that arrives last is the one its peers wait for
+  (streams/arrival.py). ncclCommInitAll's communicators live in one
+  process and have no uid: nothing to compare;
 - nccl.lost_events.
 
 NCCL calls enqueue work on a stream: their duration is the host-side call
@@ -25,6 +41,10 @@ from __future__ import annotations
 import re
 
 from fleetscope.producers.tracers.gpu_calls import Api, GpuCallTracer
+
+SEQ_MARKS = 64       # NCCL_SEQ_MARKS in bpf/events.h: the ring of marked entry times per communicator
+MARKS_PER_TICK = 32  # mark densely while a communicator's collectives per sample fit half the ring
+MAX_SHIFT = 15       # bpf/nccl.bpf.c masks the shift to 4 bits
 
 DTYPES = {0: ("int8", 1), 1: ("uint8", 1), 2: ("int32", 4), 3: ("uint32", 4), 4: ("int64", 8), 5: ("uint64", 8),
           6: ("float16", 2), 7: ("float32", 4), 8: ("float64", 8), 9: ("bfloat16", 2),
@@ -47,7 +67,7 @@ class NcclTracer(GpuCallTracer):
     APIS = (*(_api(c) for c in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Send", "Recv")),
             *(_api(c, has_bytes=False) for c in ("GroupStart", "GroupEnd", "CommInitRank", "CommInitRankConfig",
                                                  "CommSplit", "CommInitAll")))
-    PID_MAPS = ("stats", "peer_bytes", "comms")
+    PID_MAPS = ("stats", "peer_bytes", "comms", "comm_seq", "seq_shift")
 
     def _extra_rows(self, interval, fracs):
         def peer_label(key):
@@ -59,11 +79,41 @@ class NcclTracer(GpuCallTracer):
             rows.append(("nccl.comm_rank", comm, info.rank, pid, 0, 1.0))
             if info.nranks >= 0:  # a split's size is unknown
                 rows.append(("nccl.comm_nranks", comm, info.nranks, pid, 0, 1.0))
+        return rows + self._sequence_rows()
+
+    def _sequence_rows(self) -> list[tuple]:
+        """nccl.comm_seq per communicator, and the entry times of the marks not sent before."""
+        rows = []
+        sent = getattr(self, "_marks_sent", {})
+        rates = getattr(self, "_seq_seen", {})
+        self._marks_sent, self._seq_seen = {}, {}
+        shifts = self.bpf[b"seq_shift"]
+        for k, v in self.bpf[b"comm_seq"].items():
+            key, pid, seq = (int(k.pid), int(k.sub)), int(k.pid), int(v.seq)
+            uid = f"{int(v.uid):016x}"
+            last = sent.get(key, 0)
+            if seq < last:  # the communicator was made again at this address: counting restarted
+                last = 0
+            newest = last
+            for m in v.marks:
+                n = int(m.seq)
+                if n > last and m.ts:
+                    rows.append(("nccl.coll_entry_ns", f"{uid}#{n}", self.clock.to_epoch_ns(int(m.ts)), pid, 0, 1.0))
+                    newest = max(newest, n)
+            rows.append(("nccl.comm_seq", uid, seq, pid, 0, 1.0))
+            self._marks_sent[key] = newest
+            self._seq_seen[key] = seq
+            per_tick = seq - rates.get(key, 0)  # since the last sample, or since the init
+            shift, at = mark_shift(per_tick), shifts.Key(k.pid, k.api, k.sub)
+            if shift:
+                shifts[at] = shifts.Leaf(shift)
+            elif at in shifts:
+                del shifts[at]
         return rows
 
     def _decode(self, api: Api, pid: int, a: list[int]) -> dict:
         if api.device in ("CommInitRank", "CommInitRankConfig"):
-            return {"comm": a[4], "nranks": _signed(a[1]), "rank": _signed(a[3])}
+            return {"comm": a[4], "nranks": _signed(a[1]), "rank": _signed(a[3]), "uid": f"{a[5]:016x}"}
         if api.device == "CommSplit":
             return {"comm": a[4], "parent": a[5], "color": _signed(a[2]), "rank": _signed(a[3])}
         if api.device == "CommInitAll":
@@ -77,6 +127,15 @@ class NcclTracer(GpuCallTracer):
         if a[3] != _NONE:
             rec["root" if api.device in ("Broadcast", "Reduce") else "peer"] = _signed(a[3])
         return rec
+
+
+def mark_shift(collectives_per_tick: int) -> int:
+    """Mark every 2^k-th collective: the least k that keeps a tick's marks within MARKS_PER_TICK. Powers of
+    two nest, so ranks that pick k and k+1 for a tick (a rate at the edge) still share every 2^(k+1)-th."""
+    k = 0
+    while k < MAX_SHIFT and collectives_per_tick > MARKS_PER_TICK << k:
+        k += 1
+    return k
 
 
 def _signed(v: int) -> int:
