@@ -11,6 +11,7 @@ this table against what the builders emit on real windows; the KB loader
 """
 from __future__ import annotations
 
+from fleetscope.streams.arrival import ARRIVAL_FEATURES
 from fleetscope.streams.host_features import CPU_STATES
 from fleetscope.streams.proc_features import GAUGES, RATES
 from fleetscope.streams.trace_features import COLLECTIVES, TORCH_CLASSES
@@ -78,11 +79,15 @@ CATEGORICAL_FEATURES = frozenset(("python_top_frame_id",))
 # Events, present only in the window they happen in (streams/exit_features.py): read by the loud checks,
 # never scored by a model nor peer z'd, like the categorical ids.
 EVENT_FEATURES = frozenset(("process_exit_abnormal", "process_exit_signal"))
-NOT_MODEL_INPUTS = CATEGORICAL_FEATURES | EVENT_FEATURES
+# Compared across a job step's ranks (streams/arrival.py, on the feature sink's windows): who enters each
+# collective last. Role inputs and evidence; a model scoring a rank on its peers' timing would flag the
+# waiting peers with the culprit, so they stay out of the models and the peer z.
+STEP_FEATURES = frozenset(ARRIVAL_FEATURES)
+NOT_MODEL_INPUTS = CATEGORICAL_FEATURES | EVENT_FEATURES | STEP_FEATURES
 PEER_Z_FEATURES = (RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES) - NOT_MODEL_INPUTS
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
 JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio", "job_ofu_ratio"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.
 DRIFT_FEATURES = frozenset(("cuda_mem_growth_bytes_per_s", "proc_rss_growth_bytes_per_s"))
 ALL_FEATURES = (RANK_FEATURES | NODE_FEATURES | RANK_JOIN_FEATURES | LOUD_FEATURES | JOB_GPU_FEATURES | JOB_FEATURES
-                | DRIFT_FEATURES)
+                | DRIFT_FEATURES | STEP_FEATURES)

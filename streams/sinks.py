@@ -13,6 +13,7 @@ import pyarrow as pa
 from fleetscope import wire
 from fleetscope.schema import PLACEMENT_COLUMNS, SOURCE_COLUMNS
 from fleetscope.wire import Batch, StrColumn
+from fleetscope.streams.arrival import ArrivalOrder
 from fleetscope.streams.features import FEATURE_VERSION, window_features
 from fleetscope.streams.store_writes import Insert, StoreUnavailable, store_answers
 
@@ -119,12 +120,14 @@ class FeatureSink:
         self.cfg = cfg
         self.producer = producer
         self.host = socket.gethostname()
+        self.arrival = ArrivalOrder()
 
     def write(self, windows) -> list[dict]:
         """Publish the windows' feature rows; returns their vectors."""
         if not windows:
             return []
         vectors = [window_features(w) for w in windows]
+        self.arrival.add(windows, vectors)  # across each step's ranks: who entered each collective last
         self._publish(windows, vectors)
         return vectors
 

@@ -5,9 +5,13 @@ collective, so the model flags the culprit and its waiting peers alike.
 Collective durations do not tell them apart (synchronisation evens them out);
 how long each rank *waited* does: the rank that arrives last waits least.
 
-The wait share a job reports today is ``nccl_time_frac`` (NCCL jobs: time
-inside NCCL calls) or, without NCCL, ``torch_comm_wait_frac`` (gloo: threads
-blocked waiting for peers). Per step, over the job's flagged ranks:
+The wait share, in order of preference: ``nccl_arrival_wait_frac`` (NCCL
+jobs whose communicators' init was traced: the time each rank entered its
+collectives before the last rank did, from the communicators' sequence
+numbers, streams/arrival.py: who arrives last, not how long a call took),
+``nccl_time_frac`` (time inside NCCL calls) or, without NCCL,
+``torch_comm_wait_frac`` (gloo: threads blocked waiting for peers). Per step,
+over the job's flagged ranks:
 
 - the flagged rank that waits least is a ``culprit``, and so is every flagged
   rank that waits about as little (two slow ranks are two culprits);
@@ -30,9 +34,10 @@ from typing import Mapping, Sequence
 
 CULPRIT, WAITING, NODE, JOB = "culprit", "waiting", "node", "job"
 ROLES = (CULPRIT, WAITING, NODE, JOB)
-# Which share says "time spent waiting for peers", in order of preference: a job with NCCL waits in
-# NCCL; a CPU job's gloo waits are in c10d's wait probes.
-WAIT_FEATURES = ("nccl_time_frac", "torch_comm_wait_frac")
+# Which share says "time spent waiting for peers", in order of preference: measured from the order of
+# arrival at each collective; else a job with NCCL waits in NCCL; a CPU job's gloo waits are in c10d's
+# wait probes.
+WAIT_FEATURES = ("nccl_arrival_wait_frac", "nccl_time_frac", "torch_comm_wait_frac")
 # "Clearly more": a rank waits at least this much longer (share of its window), and at least this
 # fraction of its own wait longer, than the least-waiting culprit. Healthy ranks of one job differ
 # by a few points of share; a straggler's peers by tens (e.g. 0.33 against 0.06).
