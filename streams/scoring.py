@@ -44,7 +44,7 @@ from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
 from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
-from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles
+from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles, last_arrivers
 from fleetscope.streams.stack_signature import model_input
 from fleetscope.streams.rank_context import RankContext, job_gpu_means, joined_peer_z
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
@@ -80,6 +80,7 @@ class ScoringStats:
     node_not_attributed: int = 0  # rank-windows of a flagged node window left as they were (see _attribute_node)
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
+    job_named_by_arrival: int = 0  # of those, steps whose culprits the order of arrival named (roles.last_arrivers)
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
     unconfirmed: int = 0  # flagged rank-windows not (yet) flagged in K of their rank's last N (model/confirmation.py)
 
@@ -273,10 +274,10 @@ class Scorer:
             for v in evidence:
                 v.update(rate.features)
         if rate is not None and rate.flagged and self._flag_job(results, roles, loud_rows, explained, "job_rate",
-                                                                "job_iteration_time_ratio", rate.features):
+                                                                "job_iteration_time_ratio", rate.features, evidence):
             self.stats.job_rate_flags += 1
         if rate is not None and rate.ofu_flagged and self._flag_job(results, roles, loud_rows, explained, "job_ofu",
-                                                                    "job_ofu_ratio", rate.features):
+                                                                    "job_ofu_ratio", rate.features, evidence):
             self.stats.job_ofu_flags += 1
         self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z)
         self._unflag_job_alike(results, roles, loud_rows)
@@ -348,21 +349,25 @@ class Scorer:
                 joined_z[i] = {**joined_z[i], **node.history_z}   # the node against its own past
                 self.stats.node_attributed += 1
 
-    @staticmethod
-    def _flag_job(results, roles, loud_rows, explained, detector: str, feature: str, features: dict) -> bool:
-        """Flag every rank of the step (role job) unless a minority of culprits explains the change (its
-        peers wait on them); the whole job changing alike, or most ranks looking odd at once, is the job's
-        own. Loud rows and node-flagged ranks keep theirs."""
+    def _flag_job(self, results, roles, loud_rows, explained, detector: str, feature: str, features: dict,
+                  evidence) -> bool:
+        """Flag every rank of the step unless a minority of culprits explains the change (its peers wait on
+        them). Role job, unless the order of arrival at the step's collectives names the ranks the others
+        wait for (roles.last_arrivers): those are culprits and the rest waiting. The whole job changing
+        alike, or most ranks looking odd at once, is the job's own. Loud rows and node-flagged ranks keep
+        theirs."""
         culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
         if culprit_rows and 2 * len(culprit_rows) < len(results):
             return False
+        late = last_arrivers(evidence)
+        self.stats.job_named_by_arrival += late is not None
         for i, s in enumerate(results):
             if i in loud_rows or roles[i] == NODE:
                 continue
             s.is_anomaly = True
             if detector not in s.detectors:
                 s.detectors.append(detector)
-            roles[i] = JOB
+            roles[i] = JOB if late is None else CULPRIT if i in late else WAITING
             explained[i] = {**explained.get(i, {}), feature: features[feature]}
         return True
 

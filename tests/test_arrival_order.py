@@ -19,7 +19,7 @@ from fleetscope.eval.workloads.gpu_standin import StandinConfig, build, launch
 from fleetscope.producers.tracers.rows import RowIdentity, metric_batch
 from fleetscope.streams.arrival import ArrivalOrder
 from fleetscope.streams.features import window_features
-from fleetscope.streams.model.roles import CULPRIT, WAITING, assign_roles
+from fleetscope.streams.model.roles import CULPRIT, WAITING, assign_roles, last_arrivers
 from fleetscope.streams.windows import WindowAssembler
 
 CFG = StandinConfig(batch_mb=4, kernels=8, kernel_us=500, grad_mb=0.5, step_sleep_ms=20)
@@ -102,6 +102,9 @@ def test_the_rank_that_reaches_its_collectives_late_is_the_culprit_and_its_peer_
         roles = assign_roles([0, 1], [step[0], step[1]], [True, True])
         assert roles.wait_feature == "nccl_arrival_wait_frac"
         assert roles.roles == [WAITING, CULPRIT] and roles.culprit_ranks == [1]
+        # a job-wide change with no rank flagged by its model is still rank 1's doing
+        assert last_arrivers([step[0], step[1]]) == [1]
+    assert all(last_arrivers([step[0], step[1]]) is None for step in healthy), healthy
 
 
 def _mark_batch(now_ns, marks_by_rank):

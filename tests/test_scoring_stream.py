@@ -558,6 +558,49 @@ def test_a_job_wide_slowdown_is_an_anomaly_of_the_job_though_no_rank_differs(sto
     assert diag[0][1]["job_iteration_time_ratio"] == pytest.approx(20 / SLOW, rel=0.05)
 
 
+
+LATE_RANK = 2
+LATE_MS = 10
+
+
+def late_arriver_batches(tick: int, rng) -> list[Batch]:
+    """The job-wide slowdown above, with the NCCL tracer's entry marks (nccl.coll_entry_ns, one per
+    collective, the same communicator id and sequence numbers on every rank): from ONSET rank LATE_RANK
+    enters each collective LATE_MS after its peers, who wait for it inside the call. Every rank's own rows
+    still change alike, so no rank's model can tell the culprit; only the order of arrival does."""
+    window = tick // 2
+    calls = SLOW if window >= ONSET else 20
+    start = T0 + tick * TICK
+    out = slow_job_batches(tick, rng)
+    for r in range(RANKS):
+        late = LATE_MS * 10**6 if r == LATE_RANK and window >= ONSET else 0
+        marks = [("nccl.coll_entry_ns", f"{'5e' * 8}#{tick * 100 + j}",
+                  float(start + j * TICK // calls + rng.integers(0, 200_000) + late), 0) for j in range(calls)]
+        out.append(rank_batch("nccl", r, start + TICK // 2, marks))
+    return out
+
+
+def test_a_job_slowdown_one_rank_arrives_late_for_names_that_rank_the_culprit_and_its_peers_waiting(
+        store, tmp_path):
+    """The job's rate falls (the job-rate detector flags the step) and every rank's own features change
+    alike, so each rank's model flags all of them and no wait inside the calls differs: the order of arrival
+    (the feature sink's nccl_arrival_wait_frac) names the late rank the culprit and the others waiting, where
+    the job's rate would flag every rank with role job."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(17), [0], batches=late_arriver_batches)
+    roles = roles_of(store)
+    slow = [w for w in range(ONSET + CONFIRM_LAG, 39)]
+    culprit = [w for w in slow if roles.get((LATE_RANK, w)) == (1, "culprit")]
+    assert len(culprit) >= 0.9 * len(slow), sorted((w, roles.get((LATE_RANK, w))) for w in slow)
+    waiting = {(r, w) for (r, w), (a, role) in roles.items() if a and role == "waiting"}
+    assert len(waiting) >= 0.9 * (RANKS - 1) * len(slow), sorted(waiting)
+    assert {r for r, _ in waiting} == set(range(RANKS)) - {LATE_RANK}
+    assert not [k for k, (a, role) in roles.items() if a and role == "job"]
+    # alerting sees the culprit alone
+    alerted = q(store, "SELECT DISTINCT rank FROM anomalies FINAL WHERE tenant = 'acme' AND role = 'culprit'")
+    assert alerted == [(LATE_RANK,)], alerted
+
+
 LEAK_RANK = 1
 
 

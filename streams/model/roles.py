@@ -37,7 +37,8 @@ ROLES = (CULPRIT, WAITING, NODE, JOB)
 # Which share says "time spent waiting for peers", in order of preference: measured from the order of
 # arrival at each collective; else a job with NCCL waits in NCCL; a CPU job's gloo waits are in c10d's
 # wait probes.
-WAIT_FEATURES = ("nccl_arrival_wait_frac", "nccl_time_frac", "torch_comm_wait_frac")
+ARRIVAL_WAIT = "nccl_arrival_wait_frac"
+WAIT_FEATURES = (ARRIVAL_WAIT, "nccl_time_frac", "torch_comm_wait_frac")
 # "Clearly more": a rank waits at least this much longer (share of its window), and at least this
 # fraction of its own wait longer, than the least-waiting culprit. Healthy ranks of one job differ
 # by a few points of share; a straggler's peers by tens (e.g. 0.33 against 0.06).
@@ -93,6 +94,26 @@ def assign_roles(ranks: Sequence[int], vectors: Sequence[Mapping[str, float]],
             roles[i] = CULPRIT
     culprits = sorted(int(ranks[i]) for i in range(n) if roles[i] == CULPRIT)
     return StepRoles(roles, promoted, name, culprits)
+
+
+def last_arrivers(vectors: Sequence[Mapping[str, float]]) -> list[int] | None:
+    """The rows that arrived last at the step's collectives, when arrival order names at most half of them.
+
+    A job-wide change (its collective rate fell) that every rank's model saw alike, or none did, is still
+    one rank's doing when its peers clearly wait for it at each collective (ARRIVAL_WAIT): those ranks are
+    the culprits and the rest waiting. Only the order of arrival decides this, not the time inside calls,
+    which a slow link or a busy host raises for every rank. None when fewer than two ranks were compared,
+    when no rank waits clearly more than the last arriver, or when more than half arrive alike last.
+    """
+    waits = [float(v[ARRIVAL_WAIT]) if _finite(v.get(ARRIVAL_WAIT)) else None for v in vectors]
+    measured = [i for i, w in enumerate(waits) if w is not None]
+    if len(measured) < 2:
+        return None
+    least = min(waits[i] for i in measured)
+    late = [i for i in measured if not waits_clearly_more(waits[i], least)]
+    if len(late) == len(measured) or 2 * len(late) > len(vectors):
+        return None
+    return late
 
 
 def _finite(v) -> bool:
