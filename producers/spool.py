@@ -22,6 +22,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleetscope.private_files import open_private_write, private_dir
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".msg"
@@ -59,7 +61,7 @@ class DiskSpool:
         self.bytes = 0
         self.corrupt = 0
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dir(self.dir)
             probe = self.dir / ".write-test"
             probe.write_bytes(b"")
             probe.unlink()
@@ -79,7 +81,7 @@ class DiskSpool:
                              "count": item.count, "attempts": item.attempts}).encode()
         path = self.dir / self._name(item.order)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        with open_private_write(tmp) as f:
             f.write(_LEN.pack(len(header)) + header)
             f.write(item.value)
         os.replace(tmp, path)

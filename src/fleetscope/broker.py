@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from fleetscope.private_files import open_private_append, private_umask
+
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +53,12 @@ def die_with_parent() -> None:
     os.setpgrp()  # Ctrl-C in the terminal reaches us, and we stop it in order
 
 
+def private_child() -> None:
+    """Between fork and exec of the stack's own processes: die with the parent, and create private files."""
+    die_with_parent()
+    private_umask()
+
+
 class EmbeddedBroker:
     def __init__(self, port: int = 0, log_path: Path | None = None):
         self.port = port or free_port()
@@ -60,11 +68,11 @@ class EmbeddedBroker:
 
     def start(self, timeout_s: float = 20.0) -> "EmbeddedBroker":
         url = f"tcp://127.0.0.1:{self.port}"
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        out = open_private_append(self.log_path) if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/"],
-            stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            stdout=out, stderr=subprocess.STDOUT, preexec_fn=private_child)
         self._wait_ready(timeout_s)
         log.info("embedded broker ready on %s (pid %d)", self.bootstrap, self._proc.pid)
         return self

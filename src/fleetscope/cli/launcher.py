@@ -30,7 +30,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable
 
-from fleetscope.broker import EmbeddedBroker, die_with_parent
+from fleetscope.broker import EmbeddedBroker, private_child
+from fleetscope.private_files import open_private_append, private_dir
 from fleetscope.config import SETTING_ENV_VARS, Config
 from fleetscope.store.endpoint import ENDPOINT_FILE, RemoteStore, read_endpoint
 from fleetscope.store.base import StoreError
@@ -76,9 +77,9 @@ class ChildProcess:
         self.killed = False  # on purpose (a fault test): not a death the stack reports
 
     def start(self) -> "ChildProcess":
-        with open(self.log_path, "ab") as log:
+        with open_private_append(self.log_path) as log:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                                         stdin=subprocess.DEVNULL, preexec_fn=private_child)
         return self
 
     @property
@@ -165,7 +166,7 @@ class EmbeddedStack:
 
     def start(self, timeout_s: float = 120.0) -> "EmbeddedStack":
         try:
-            self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(self.data_dir)  # also one an older version made 0755
             if not self.cfg.kafka:
                 self.broker = EmbeddedBroker(self.cfg.embedded_broker_port,
                                              log_path=self.data_dir / "broker.log").start()
