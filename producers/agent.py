@@ -42,6 +42,7 @@ class Agent:
         self.closers: list = []  # also called when the run ends (the /metrics endpoint)
         self.ticks = 0
         self.events_sampled = 0
+        self.identity_rules: list = []  # each source's resolver's IdentityRules: their rejected names are counted
         self._stop = threading.Event()
 
     @property
@@ -61,14 +62,23 @@ class Agent:
                 self.events_sampled += one.count
                 self.publisher.publish(one)
         self.publisher.retry_spool()
+        self.publisher.publish(agent_stats_batch(self.cfg.host, self.stats(), now_ns))
+        self.ticks += 1
+
+    def stats(self, scrape: bool = False) -> dict:
+        """What the health event carries (and /metrics, `scrape`: read from another thread, quietly)."""
         stats = {**asdict(self.publisher.stats), "events_sampled": self.events_sampled}
-        for source in self.sources:
+        for source in list(self.stat_sources):
             try:
                 stats.update(source.stats())
-            except Exception:  # health reporting must not stop sampling
-                log.exception("stats of source %s failed", source.name)
-        self.publisher.publish(agent_stats_batch(self.cfg.host, stats, now_ns))
-        self.ticks += 1
+            except Exception:  # health reporting must not stop sampling, nor a scrape fail mid-update
+                if scrape:
+                    log.debug("stats of %s unavailable during this scrape", type(source).__name__, exc_info=True)
+                else:
+                    log.exception("stats of source %s failed", type(source).__name__)
+        for kind in ("tenant", "job"):  # identity values refused as names (producers/identity.py)
+            stats[f"identity_rejected_{kind}"] = sum(r.rejected[kind] for r in list(self.identity_rules))
+        return stats
 
     def run(self, duration_s: float | None = None) -> None:
         """Tick every sample_interval_s on a drift-free schedule until stopped, then flush what is held.
@@ -145,7 +155,9 @@ def build_agent(cfg: Config, bootstrap: str) -> Agent:
 
     def new_resolver():  # one per source: each resolves on its own thread, with its own cache
         from fleetscope.producers.identity import IdentityResolver
-        return IdentityResolver(identity_rules(cfg), host=cfg.host)
+        rules = identity_rules(cfg)
+        agent.identity_rules.append(rules)
+        return IdentityResolver(rules, host=cfg.host)
     try:
         agent.sources.extend(build_sources(cfg, new_resolver, publisher.publish))
     except BaseException:

@@ -8,7 +8,6 @@ so a scrape costs the agent nothing between scrapes.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -43,13 +42,7 @@ DROPS = {"dropped_overflow_batches": "spool_overflow", "dropped_permanent_batche
 
 def agent_stats(agent) -> dict:
     """What the agent's health event carries, read without touching its loop."""
-    stats = {**asdict(agent.publisher.stats), "events_sampled": agent.events_sampled}
-    for source in list(agent.stat_sources):
-        try:
-            stats.update(source.stats())
-        except Exception:  # a scrape must not fail because one source is mid-update
-            log.debug("stats of %s unavailable during this scrape", type(source).__name__, exc_info=True)
-    return stats
+    return agent.stats(scrape=True)
 
 
 class AgentCollector:
@@ -73,6 +66,12 @@ class AgentCollector:
         for key, reason in DROPS.items():
             drops.add_metric([host, reason], float(stats.get(key, 0)))
         yield drops
+        rejected = CounterMetricFamily("fleetscope_agent_identity_rejected", "identity values (from the configured "
+                                       "variables or the tenant sources) refused as names: not published",
+                                       labels=["host", "kind"])
+        for kind in ("tenant", "job"):
+            rejected.add_metric([host, kind], float(stats.get(f"identity_rejected_{kind}", 0)))
+        yield rejected
         duty = GaugeMetricFamily("fleetscope_agent_governor_duty_ratio",
                                  "share of each governor period a probe family is attached", labels=["host", "tracer", "family"])
         shed = GaugeMetricFamily("fleetscope_agent_governor_shed",
@@ -109,7 +108,11 @@ def probe_hits(agent) -> dict[tuple[str, str], int]:
     return out
 
 
-def start_agent_metrics(cfg, agent) -> MetricsEndpoint:
+def metrics_registry(agent) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(AgentCollector(agent))
-    return MetricsEndpoint.from_config(cfg, registry, "agent").start()
+    return registry
+
+
+def start_agent_metrics(cfg, agent) -> MetricsEndpoint:
+    return MetricsEndpoint.from_config(cfg, metrics_registry(agent), "agent").start()

@@ -5,11 +5,16 @@ writes them (a stand-in for Kubernetes, CRI-O, Docker and Slurm, which this
 machine lacks). The kubelet's pod list is a file in the kubelet's own JSON shape.
 """
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from fleetscope.config import ConfigError, load
-from fleetscope.producers.agent import identity_rules
+from prometheus_client import generate_latest
+
+from fleetscope.producers.agent import Agent, identity_rules
+from fleetscope.producers.agent_metrics import metrics_registry
+from fleetscope.producers.publisher import PublisherStats
 from fleetscope.producers.identity import IdentityResolver, IdentityRules
 from fleetscope.producers.tenant_sources import TenantMapError, TenantSources
 
@@ -104,6 +109,20 @@ def test_identity_values_that_are_not_name_shaped_are_never_published(tmp_path, 
     ident = IdentityResolver(IdentityRules(tenant_env_trusted=True), proc_root=proc).resolve(30)
     assert ident.tenant == "default"
     assert (ident.job, ident.source) == ("777", "slurm")  # the next configured variable decides
+
+
+def test_the_agent_counts_the_identity_values_it_refused_in_its_health_event_and_metrics(tmp_path):
+    proc = tmp_path / "proc"
+    fake_proc(proc, 30, environ=b"FLEETSCOPE_JOB=../../etc\0SLURM_JOB_ID=777\0")
+    cfg = load(env={})
+    # the publisher's counters only: no message is sent here (the agent's Kafka path has its own tests)
+    agent = Agent(cfg, SimpleNamespace(stats=PublisherStats()), [])
+    rules = identity_rules(cfg)
+    agent.identity_rules.append(rules)
+    IdentityResolver(rules, proc_root=proc).resolve(30)
+    assert agent.stats()["identity_rejected_job"] == 1 and agent.stats()["identity_rejected_tenant"] == 0
+    text = generate_latest(metrics_registry(agent)).decode()
+    assert f'fleetscope_agent_identity_rejected_total{{host="{cfg.host}",kind="job"}} 1.0' in text, text
 
 
 @pytest.mark.parametrize("var", ["AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "DB_PASSWORD", "API_KEY"])
