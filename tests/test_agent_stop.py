@@ -11,6 +11,7 @@ three acknowledged sends, one message stored). A real Kafka keeps its topics acr
 restart, so freezing is the outage that matches production here.
 """
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -90,3 +91,75 @@ def test_a_stop_signal_flushes_the_held_batches_then_exits_0(tmp_path, signum):
             agent.kill()
             agent.wait()
         broker.stop()
+
+
+def _memory_only_agent(tmp_path, broker, flush_timeout_s: float):
+    env = {**os.environ, "FLEETSCOPE_KAFKA": broker.bootstrap, "FLEETSCOPE_TOPIC_PREFIX": PREFIX,
+           "FLEETSCOPE_PARTITIONS": "1", "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_HOST": "node-stop",
+           "FLEETSCOPE_NVML": "false", "FLEETSCOPE_PROC_SAMPLING": "false", "FLEETSCOPE_TRACE": "",
+           "FLEETSCOPE_COLLECTORS": "meminfo", "FLEETSCOPE_SAMPLE_INTERVAL_S": "0.2",
+           "FLEETSCOPE_STOP_FLUSH_TIMEOUT_S": str(flush_timeout_s)}
+    env.pop("FLEETSCOPE_SPOOL_DIR", None)
+    log = tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-m", "fleetscope", "agent"], env=env, stdout=open(log, "wb"),
+                             stderr=subprocess.STDOUT)
+    wait_until(lambda: read_batches(broker.bootstrap, f"{PREFIX}.raw.host", 1, want_rows=1, timeout_s=1)[0], 60,
+               "the agent's first host batch", agent, log)
+    return agent, log
+
+
+@contextlib.contextmanager
+def frozen(broker):
+    """An outage: the broker is stopped (SIGSTOP) inside the block, and answers again after it."""
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def stop_stack(tmp_path):
+    """A broker, and the memory-only agent started against it by stop_stack.start(flush timeout)."""
+    broker = EmbeddedBroker(port=free_port(), log_path=tmp_path / "broker.log").start()
+    started = []
+
+    def start(flush_timeout_s: float):
+        started.append(_memory_only_agent(tmp_path, broker, flush_timeout_s))
+        return started[-1]
+    yield broker, start
+    for agent, _ in started:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    broker.stop()
+
+
+@pytest.mark.integration
+def test_without_a_spool_directory_a_stop_still_flushes_what_memory_holds(stop_stack):
+    """The memory-only spool (the default): batches sampled while the broker is frozen reach it after SIGTERM."""
+    broker, start = stop_stack
+    agent, log = start(60)
+    frozen_ns = time.time_ns()
+    with frozen(broker):
+        time.sleep(2.5)  # batches held in memory (host rows go out about once a second)
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+    assert agent.wait(90) == 0, log.read_text()[-3000:]
+    got = read_batches(broker.bootstrap, f"{PREFIX}.raw.host", 1, want_rows=10**9, timeout_s=10)[0]
+    held = [b for b in got if b.created_ns >= frozen_ns]
+    assert len(held) >= 2, (len(got), len(held))
+    assert "undelivered" not in log.read_text()  # none dropped at the stop (the warning counts them)
+
+
+@pytest.mark.integration
+def test_a_stop_whose_broker_never_answers_ends_at_the_flush_timeout_and_says_what_it_lost(stop_stack):
+    broker, start = stop_stack
+    agent, log = start(3)
+    with frozen(broker):
+        time.sleep(1.0)
+        agent.send_signal(signal.SIGTERM)
+        # bounded by the 3 s flush (and the process's own start-up and shutdown, slower on a busy machine),
+        # never by the broker, which stays frozen until the agent has gone
+        assert agent.wait(45) == 0, log.read_text()[-3000:]
+    assert "still undelivered after 3 s at agent stop" in log.read_text(), log.read_text()[-3000:]

@@ -244,7 +244,11 @@ def test_a_real_always_on_probe_over_budget_is_shed_and_the_agent_says_so():
     many times the 1% budget, so the governor detaches it, and the agent's health events name it."""
     import time
 
-    from fleetscope.producers.agent import agent_stats_batch
+    from types import SimpleNamespace
+
+    from fleetscope.cli.up import status_line
+    from fleetscope.producers.agent import Agent, agent_stats_batch
+    from fleetscope.producers.publisher import PublisherStats
     from support.batch_rows import rows
     from support.libc_call_tracer import LibcCallTracer
 
@@ -268,6 +272,9 @@ def test_a_real_always_on_probe_over_budget_is_shed_and_the_agent_says_so():
             time.sleep(0.05)
         stats = manager.stats()
         got = {r["metric"]: r["value"] for r in rows(agent_stats_batch("node-a", stats, time.time_ns()))}
+        # and `fleetscope up`'s status line (its agent's publisher counters only: nothing is sent here)
+        line = status_line(1.0, Agent(cfg, SimpleNamespace(stats=PublisherStats()), [manager]), None, 1, None,
+                           0.0, None, None)
     finally:
         manager.close()
         child.kill()
@@ -275,6 +282,7 @@ def test_a_real_always_on_probe_over_budget_is_shed_and_the_agent_says_so():
     assert tracer.toggles >= 1 and tracer.hits()["getppid"] > 0  # it really fired, and was really detached
     assert got["agent.trace_always_shed"] == 1.0 and got["agent.trace_shed.libc.getppid"] == 1.0
     assert got["agent.trace_duty.libc.getppid"] == 0.0
+    assert "tracers, 1 shed" in line, line
 
 
 def test_a_burst_of_always_on_hits_sheds_nothing_and_a_retried_overrun_is_shed_at_once():
