@@ -24,6 +24,7 @@ import pytest
 
 from fleetscope import wire
 from fleetscope.broker import EmbeddedBroker, free_port
+from support.batch_rows import rows
 from support.raw_topic import read_batches
 
 PREFIX = "stopflush"
@@ -93,12 +94,12 @@ def test_a_stop_signal_flushes_the_held_batches_then_exits_0(tmp_path, signum):
         broker.stop()
 
 
-def _memory_only_agent(tmp_path, broker, flush_timeout_s: float):
+def _memory_only_agent(tmp_path, broker, flush_timeout_s: float, extra_env: dict):
     env = {**os.environ, "FLEETSCOPE_KAFKA": broker.bootstrap, "FLEETSCOPE_TOPIC_PREFIX": PREFIX,
            "FLEETSCOPE_PARTITIONS": "1", "FLEETSCOPE_DATA_DIR": str(tmp_path), "FLEETSCOPE_HOST": "node-stop",
            "FLEETSCOPE_NVML": "false", "FLEETSCOPE_PROC_SAMPLING": "false", "FLEETSCOPE_TRACE": "",
            "FLEETSCOPE_COLLECTORS": "meminfo", "FLEETSCOPE_SAMPLE_INTERVAL_S": "0.2",
-           "FLEETSCOPE_STOP_FLUSH_TIMEOUT_S": str(flush_timeout_s)}
+           "FLEETSCOPE_STOP_FLUSH_TIMEOUT_S": str(flush_timeout_s), **extra_env}
     env.pop("FLEETSCOPE_SPOOL_DIR", None)
     log = tmp_path / "agent.log"
     agent = subprocess.Popen([sys.executable, "-m", "fleetscope", "agent"], env=env, stdout=open(log, "wb"),
@@ -120,12 +121,12 @@ def frozen(broker):
 
 @pytest.fixture
 def stop_stack(tmp_path):
-    """A broker, and the memory-only agent started against it by stop_stack.start(flush timeout)."""
+    """A broker, and the memory-only agent started against it by stop_stack.start(flush timeout, **settings)."""
     broker = EmbeddedBroker(port=free_port(), log_path=tmp_path / "broker.log").start()
     started = []
 
-    def start(flush_timeout_s: float):
-        started.append(_memory_only_agent(tmp_path, broker, flush_timeout_s))
+    def start(flush_timeout_s: float, **extra_env):
+        started.append(_memory_only_agent(tmp_path, broker, flush_timeout_s, extra_env))
         return started[-1]
     yield broker, start
     for agent, _ in started:
@@ -163,3 +164,27 @@ def test_a_stop_whose_broker_never_answers_ends_at_the_flush_timeout_and_says_wh
         # never by the broker, which stays frozen until the agent has gone
         assert agent.wait(45) == 0, log.read_text()[-3000:]
     assert "still undelivered after 3 s at agent stop" in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.mark.integration
+def test_batches_the_spool_overflows_in_an_outage_are_counted_in_the_agents_published_health_events(stop_stack):
+    """The spool holds 3 batches; a 3 s outage at 5 ticks a second (a host and an agent batch each) overflows it.
+    What was dropped is not only counted in the process: the agent's own `agent` events say so on the topic."""
+    broker, start = stop_stack
+    agent, log = start(60, FLEETSCOPE_SPOOL_MAX_BATCHES="3")
+    with frozen(broker):
+        time.sleep(3.0)
+    topic = f"{PREFIX}.raw.agent"
+
+    def published_drops() -> dict:
+        last = {}
+        for batch in read_batches(broker.bootstrap, topic, 1, want_rows=10**9, timeout_s=2)[0]:
+            last.update({r["metric"]: r["value"] for r in rows(batch) if r["metric"].startswith("agent.dropped")})
+        return last
+
+    wait_until(lambda: published_drops().get("agent.dropped_overflow_batches", 0) > 0, 60,
+               "an agent event that counts the overflow", agent, log)
+    drops = published_drops()
+    assert drops["agent.dropped_batches"] >= drops["agent.dropped_overflow_batches"] > 0, drops
+    assert drops["agent.dropped_events"] > 0, drops
+    assert "the spool is full" in log.read_text()  # and the agent's log says what it dropped
