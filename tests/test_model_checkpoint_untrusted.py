@@ -181,3 +181,41 @@ def test_the_worker_relearns_a_job_whose_checkpoint_is_refused(store, tmp_path, 
     scorer.checkpoint(force=True)
     again = Scorer(cfg, store).model("acme", "train")
     assert again.windows == 1                        # the fresh model's checkpoint is the one restored now
+
+
+def test_a_crafted_checkpoint_on_the_model_state_topic_is_refused_and_the_job_relearns(broker, store, tmp_path,
+                                                                                        trained):
+    """The worker's own path: states come from <prefix>.model-state (anyone with write access to the topic can
+    publish one), through the real ModelStateTopic reader on the embedded broker, into the real StreamProcessor
+    that restores a job's model before scoring it. The payload never runs; the job starts a fresh model."""
+    import uuid
+
+    from confluent_kafka import Producer
+
+    from fleetscope.kafka_settings import client_conf
+    from fleetscope.streams.model_state import JobState
+    from fleetscope.streams.processor import StreamProcessor
+    from fleetscope.streams.state_sources import ModelStateTopic
+    from fleetscope.topics import ensure_topics
+
+    marker = tmp_path / "ran"
+    parts = entries(trained)
+    parts["hst/river_pickle.npy"] = npy(np.frombuffer(pickle.dumps(RunsCommand(marker)), np.uint8))
+    crafted = pack(with_meta(parts, {**meta_of(parts), "format": 1}))
+    cfg = Config(data_dir=tmp_path, topic_prefix=f"crafted{uuid.uuid4().hex[:6]}", warmup_windows=5)
+    topic = cfg.topic("model-state")
+    ensure_topics(broker.bootstrap, [topic], partitions=1)
+    producer = Producer({"bootstrap.servers": broker.bootstrap})
+    state = JobState("acme", "train", base64.b64encode(crafted).decode())
+    producer.produce(topic, key=b"acme/train", value=state.encode())
+    assert producer.flush(30) == 0
+    reader = ModelStateTopic(client_conf(cfg, broker.bootstrap, **{"group.id": "crafted-test"}), topic)
+    try:
+        proc = StreamProcessor(cfg, store, states=reader)
+        assert reader.latest("acme", "train").model_b64 is not None  # the crafted state is what the worker reads
+        proc._ensure_model("acme", "train")  # what the flush does before scoring a job's windows
+    finally:
+        reader.close()
+    assert not marker.exists()
+    model = proc.scorer.models[("acme", "train")]
+    assert model.windows == 0 and proc.scorer.stats.restored_models == 0 and proc.scorer.stats.models == 1
