@@ -24,7 +24,15 @@
  * also sends one ring-buffer record (pid, tid, op index or wait kind, start, duration) while the detail gate
  * is open: bpf_ktime_get_ns() (CLOCK_MONOTONIC) before detail_until[0], as in bpf/gpu_calls.bpf.c. Closed
  * (0) it costs one array lookup per return; the counters above count either way. A record the ring cannot
- * take is counted in `lost`. No probe is added for it: the waits' returns stay plain uprobes on `ret`. */
+ * take is counted in `lost`. No probe is added for it: the waits' returns stay plain uprobes on `ret`.
+ *
+ * Arrival marks (family "collectives"): c10d::ProcessGroupGloo::nextTag() is called once per collective, on
+ * the caller's thread as it issues the collective (allreduce, broadcast, barrier, ...), and returns the
+ * group's collective counter, which every rank of the group holds in step (gloo matches its messages by
+ * it). tag_entry keeps the group (`this`) and the time per thread; tag_return, a plain uprobe on nextTag's
+ * `ret` (it throws nothing, but no uretprobe is needed either), reads the returned tag from the return
+ * register and records (pid, group, tag) -> entry time in coll_marks, which user space reads and empties
+ * each sample. No memory of the process is read. */
 #include <uapi/linux/ptrace.h>
 #include "events.h"
 
@@ -56,6 +64,21 @@ struct comm_stats {
 BPF_HASH(comm_waits, struct comm_key, struct comm_stats, 4096);
 BPF_HASH(comm_max, struct comm_key, u64, 4096);
 BPF_TABLE("lru_hash", u64, u64, comm_starts, 8192);  /* (tid << 32 | kind) -> entry time */
+
+/* arrival marks: see the head of this file */
+struct tag_call {
+    u64 group;      /* the ProcessGroupGloo (`this`): per process, never compared across ranks */
+    u64 ts;
+};
+
+struct mark_key {
+    u32 pid;
+    u32 tag;        /* nextTag's return: the group's collective counter, the same on every rank */
+    u64 group;
+};
+
+BPF_TABLE("lru_hash", u32, struct tag_call, tag_calls, 4096);  /* per thread, between entry and ret */
+BPF_HASH(coll_marks, struct mark_key, u64, 8192);
 
 #ifdef DETAIL
 struct torch_call_event {
@@ -197,5 +220,28 @@ int comm_return(struct pt_regs *ctx) {
     u64 *m = comm_max.lookup_or_try_init(&k, &zero);
     if (m && d > *m)
         *m = d;                    /* racy between threads of a pid: a maximum, not a count */
+    return 0;
+}
+
+int tag_entry(struct pt_regs *ctx) {
+    count_hit(1);
+    u32 tid = bpf_get_current_pid_tgid();
+    struct tag_call c = {.group = PT_REGS_PARM1(ctx), .ts = bpf_ktime_get_ns()};
+    tag_calls.update(&tid, &c);
+    return 0;
+}
+
+int tag_return(struct pt_regs *ctx) {
+    count_hit(1);
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = id;
+    struct tag_call *c = tag_calls.lookup(&tid);
+    if (!c)
+        return 0;                  /* entered before the probes were attached */
+    struct mark_key k = {.pid = id >> 32, .tag = (u32)PT_REGS_RC(ctx), .group = c->group};
+    u64 ts = c->ts;
+    tag_calls.delete(&tid);
+    if (coll_marks.insert(&k, &ts) != 0)   /* full: user space has not read it for a long while */
+        lost.increment(k.pid);
     return 0;
 }

@@ -1,12 +1,16 @@
 """Who arrives last at each collective, from the communicators' sequence numbers.
 
 In a synchronous job every rank enters the same collectives in the same order.
-The NCCL tracer numbers each communicator's collectives from its init and
-marks when the process entered them (`nccl.coll_entry_ns`, device
-"<uid>#<n>", producers/tracers/nccl.py); the uid is the same on every rank of
-the communicator. So for the n-th collective of a communicator the ranks'
-entry times can be compared: the rank that enters last is the one the others
-wait for. Collective durations cannot tell that (the peers wait inside the
+Two tracers mark when a process entered each collective, numbered the same
+way on every rank of its communicator (device "<communicator>#<n>"):
+- NCCL (`nccl.coll_entry_ns`, producers/tracers/nccl.py): each
+  communicator's collectives counted from its init; the communicator is named
+  by its unique id, the same on every rank;
+- gloo (`torch.coll_entry_ns`, producers/tracers/gloo_marks.py): the process
+  group's own collective counter (its tags), at the moment the collective is
+  issued; the group is "gloo<g>", numbered per process in order of first use.
+So for the n-th collective of a communicator the ranks' entry times can be
+compared: the rank that enters last is the one the others wait for. Collective durations cannot tell that (the peers wait inside the
 call, so synchronisation evens them out, and NCCL's host-side calls only
 enqueue work); the order of arrival can. Mycroft, Aegis and PyTorch's flight
 recorder localize stragglers the same way.
@@ -15,12 +19,14 @@ Per job step, over the collectives whose entry every rank of the communicator
 has reported (a collective that some ranks report only in the next window's
 sample waits one step for them, then is compared with whoever reported it),
 each rank's window gets:
-- ``nccl_arrival_lag_s``: how long after the first rank it entered, on average;
-- ``nccl_arrival_wait_frac``: how long before the last rank it entered (its
+- ``arrival_lag_s``: how long after the first rank it entered, on average;
+- ``arrival_wait_frac``: how long before the last rank it entered (its
   wait for the last arriver), on average, times its collectives per second:
   the share of the window it spent waiting for a later peer. The last arriver
   has about 0; in `model/roles.py` this is the wait share that decides who is
-  a culprit and who is waiting, ahead of the time spent inside NCCL calls.
+  a culprit and who is waiting, ahead of the time spent inside NCCL calls or
+  gloo's waits. The rate of collectives is NCCL's sequenced calls plus gloo's
+  issued collectives (`torch.coll_issued`).
 
 Both are computed across ranks, so they are evidence and role inputs, never
 model inputs (feature_catalogue.STEP_FEATURES). Ranks on different hosts are
@@ -34,10 +40,10 @@ from __future__ import annotations
 from fleetscope.schema import NODE_TENANT
 from fleetscope.streams.trace_features import _sum
 
-MARK_METRIC = "nccl.coll_entry_ns"
-# the calls the tracer counts in a communicator's sequence (bpf/nccl.bpf.c: enter_collective)
+MARKS = (("nccl", "nccl.coll_entry_ns"), ("torch", "torch.coll_entry_ns"))  # (source, metric)
+# the calls the NCCL tracer counts in a communicator's sequence (bpf/nccl.bpf.c: enter_collective)
 SEQUENCED = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce")
-ARRIVAL_FEATURES = ("nccl_arrival_lag_s", "nccl_arrival_wait_frac")
+ARRIVAL_FEATURES = ("arrival_lag_s", "arrival_wait_frac")
 CARRY_STEPS = 1      # a collective not yet reported by every rank waits this many steps for the rest
 IDLE_NS = 120 * 10**9  # a job with no step for this long (event time) is forgotten
 
@@ -74,10 +80,11 @@ class ArrivalOrder:
         ages = self._age.setdefault(job, {})
         for w in windows:
             member = (w.key[2], w.key[3])
-            for agg in w.devices("nccl", MARK_METRIC):
-                uid, _, seq = agg.device.partition("#")
-                if seq.isdigit() and agg.gauge_n:
-                    marks.setdefault((uid, int(seq)), {})[member] = agg.gauge_last
+            for source, metric in MARKS:
+                for agg in w.devices(source, metric):
+                    uid, _, seq = agg.device.partition("#")
+                    if seq.isdigit() and agg.gauge_n:
+                        marks.setdefault((uid, int(seq)), {})[member] = agg.gauge_last
         for (uid, _), by_member in marks.items():
             width = (*job, uid)
             self._width[width] = max(self._width.get(width, 0), len(by_member))
@@ -105,11 +112,12 @@ class ArrivalOrder:
             member = (w.key[2], w.key[3])
             if member not in lags:
                 continue
-            v["nccl_arrival_lag_s"] = sum(lags[member]) / len(lags[member]) / 1e9
-            calls = _sum(w, "nccl", "nccl.calls", SEQUENCED)
-            if calls is not None:
-                per_s = calls / ((w.end_ns - w.start_ns) / 1e9)
-                v["nccl_arrival_wait_frac"] = sum(waits[member]) / len(waits[member]) / 1e9 * per_s
+            v["arrival_lag_s"] = sum(lags[member]) / len(lags[member]) / 1e9
+            counts = [c for c in (_sum(w, "nccl", "nccl.calls", SEQUENCED), _sum(w, "torch", "torch.coll_issued"))
+                      if c is not None]
+            if counts:
+                per_s = sum(counts) / ((w.end_ns - w.start_ns) / 1e9)
+                v["arrival_wait_frac"] = sum(waits[member]) / len(waits[member]) / 1e9 * per_s
 
     def _forget_idle(self, newest_start: int) -> None:
         for job in [j for j, s in self._last_start.items() if newest_start - s > IDLE_NS]:

@@ -6,9 +6,14 @@ rank that reaches its collective late holds its peer up inside the call. Real: t
 uprobes and maps (each communicator's sequence and marked entry times), the identity resolver reading the ranks'
 environment, the fault knob, the worker's windows and features, the arrival comparison and the roles.
 
-The second checks how the comparison joins ranks whose samples fall in different windows, on batches built by
+The second is the same for a CPU job: three ranks of the scenarios' DDP workload (real PyTorch, real gloo over
+loopback, under torchrun), one of them sleeping longer before each step by design, traced by the real torch
+tracer, whose gloo arrival marks (ProcessGroupGloo::nextTag) feed the same comparison.
+
+The third checks how the comparison joins ranks whose samples fall in different windows, on batches built by
 the tracers' own row path (rows.metric_batch), since the moment an agent samples cannot be set on a real one.
 """
+import json
 import os
 import time
 
@@ -43,7 +48,7 @@ def _steps(windows, vectors, t0_ns, t1_ns):
     """rank -> vector, for each step wholly inside [t0, t1) that both ranks reported with arrival features."""
     steps = {}
     for w, v in zip(windows, vectors):
-        if w.start_ns >= t0_ns and w.end_ns <= t1_ns and "nccl_arrival_lag_s" in v:
+        if w.start_ns >= t0_ns and w.end_ns <= t1_ns and "arrival_lag_s" in v:
             steps.setdefault(w.start_ns, {})[w.key[3]] = v
     return [s for s in steps.values() if set(s) == {0, 1}]
 
@@ -89,7 +94,7 @@ def test_the_rank_that_reaches_its_collectives_late_is_the_culprit_and_its_peer_
     assert healthy and stalled, (len(healthy), len(stalled))
 
     def lag_ms(step, rank):
-        return step[rank]["nccl_arrival_lag_s"] * 1e3
+        return step[rank]["arrival_lag_s"] * 1e3
 
     # healthy: the ring keeps the ranks in step, so neither arrives far behind the other
     for step in healthy:
@@ -97,14 +102,78 @@ def test_the_rank_that_reaches_its_collectives_late_is_the_culprit_and_its_peer_
     # rank 1's copy before each all-reduce takes STALL_MS longer: it enters each collective that much after rank 0
     for step in stalled:
         assert lag_ms(step, 1) > 0.6 * STALL_MS and lag_ms(step, 0) < STALL_MS / 3, (lag_ms(step, 0), lag_ms(step, 1))
-        assert step[0]["nccl_arrival_wait_frac"] > 0.2 > step[1]["nccl_arrival_wait_frac"], step
+        assert step[0]["arrival_wait_frac"] > 0.2 > step[1]["arrival_wait_frac"], step
         # both ranks look slow to a model (each step takes longer); the order of arrival names the culprit
         roles = assign_roles([0, 1], [step[0], step[1]], [True, True])
-        assert roles.wait_feature == "nccl_arrival_wait_frac"
+        assert roles.wait_feature == "arrival_wait_frac"
         assert roles.roles == [WAITING, CULPRIT] and roles.culprit_ranks == [1]
         # a job-wide change with no rank flagged by its model is still rank 1's doing
         assert last_arrivers([step[0], step[1]]) == [1]
     assert all(last_arrivers([step[0], step[1]]) is None for step in healthy), healthy
+
+
+GLOO_SLEEP_MS, GLOO_EXTRA_MS = 20, 60
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
+def test_the_gloo_rank_that_issues_its_collectives_late_is_the_culprit_and_its_peers_wait(tmp_path):
+    from fleetscope.eval.workloads.launch import DEBIAN_PYTHON, launch, venv_site_packages
+    from fleetscope.producers.identity import IdentityResolver
+    from fleetscope.producers.tracers.torch_ops import TorchTracer
+    slow = {"1": {"sleep_ms": GLOO_SLEEP_MS + GLOO_EXTRA_MS}}
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    run = launch(3, ["--duration-s", "90", "--sleep-ms", str(GLOO_SLEEP_MS), "--rank-args", json.dumps(slow)],
+                 python=DEBIAN_PYTHON, site_packages=venv_site_packages(), run_id="gloo-arrival",
+                 env={"FLEETSCOPE_WORKLOAD_PROGRESS_DIR": str(progress)}, log_path=tmp_path / "workload.log")
+    tracer = TorchTracer("node-a", resolver=IdentityResolver(host="node-a"), ops=frozenset())
+    batches = []
+    try:
+        pids = run.rank_pids(timeout_s=120)
+        deadline = time.monotonic() + 120
+        for pid in pids.values():  # libtorch_cpu is mapped once the rank has imported torch
+            while not tracer.add_pid(pid):
+                assert time.monotonic() < deadline, tracer.unavailable.get(pid)
+                time.sleep(0.2)
+        while not all(_steps_done(progress / f"progress-rank{r}.jsonl") >= 3 for r in range(3)):
+            assert time.monotonic() < deadline, "the ranks did not start training"  # DDP's setup is over
+            time.sleep(0.2)
+        tracer.sample()
+        t0 = time.time_ns()
+        while time.time_ns() - t0 < 6 * 10**9:
+            time.sleep(0.25)
+            batches.append(tracer.sample())
+        t1 = time.time_ns()
+    finally:
+        run.stop()
+        tracer.close()
+    windows, vectors, order = _windows([b for b in batches if b is not None])
+    steps = {}
+    for w, v in zip(windows, vectors):
+        if w.key[1] == "gloo-arrival" and w.start_ns >= t0 and w.end_ns <= t1 and "arrival_lag_s" in v:
+            steps.setdefault(w.start_ns, {})[w.key[3]] = v
+    steps = [s for s in steps.values() if set(s) == {0, 1, 2}]
+    assert len(steps) >= 3 and order.compared >= 20, (len(steps), order.compared, order.single)
+    for step in steps:
+        lag_ms = {r: step[r]["arrival_lag_s"] * 1e3 for r in step}
+        # rank 1 sleeps GLOO_EXTRA_MS longer before each step, so it issues the step's first collective that
+        # much later than its peers (measured: 60 ms). The step's second one follows a point where the ranks
+        # are in step again and is issued alike on all (measured: < 1 ms apart), so the mean lag is about half.
+        assert lag_ms[1] > 0.35 * GLOO_EXTRA_MS and max(lag_ms[0], lag_ms[2]) < GLOO_EXTRA_MS / 10, lag_ms
+        assert min(step[0]["arrival_wait_frac"], step[2]["arrival_wait_frac"]) > 0.2 > step[1]["arrival_wait_frac"]
+        roles = assign_roles([0, 1, 2], [step[0], step[1], step[2]], [True, True, True])
+        assert roles.wait_feature == "arrival_wait_frac"
+        assert roles.roles == [WAITING, CULPRIT, WAITING] and roles.culprit_ranks == [1]
+        assert last_arrivers([step[0], step[1], step[2]]) == [1]
+
+
+def _steps_done(progress_file) -> int:
+    """The newest step count a rank of the DDP workload wrote (its progress lines), 0 before its first."""
+    try:
+        lines = progress_file.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return json.loads(lines[-1])["steps"] if lines else 0
 
 
 def _mark_batch(now_ns, marks_by_rank):
@@ -130,11 +199,11 @@ def test_a_collective_waits_one_step_for_ranks_that_report_it_later_then_is_comp
     windows, vectors, order = _windows(batches)
     by = {(w.start_ns - base) // 10**9 * 10 + w.key[3]: v for w, v in zip(windows, vectors)}
     # step 0 compares 1 and 2; 3 waits for rank 1
-    assert by[0]["nccl_arrival_lag_s"] == pytest.approx(0.0, abs=1e-6)
-    assert by[1]["nccl_arrival_lag_s"] == pytest.approx((0.010 + 0.050) / 2, abs=1e-6)
-    assert by[0]["nccl_arrival_wait_frac"] == pytest.approx((0.010 + 0.050) / 2 * 10, abs=1e-5)
+    assert by[0]["arrival_lag_s"] == pytest.approx(0.0, abs=1e-6)
+    assert by[1]["arrival_lag_s"] == pytest.approx((0.010 + 0.050) / 2, abs=1e-6)
+    assert by[0]["arrival_wait_frac"] == pytest.approx((0.010 + 0.050) / 2 * 10, abs=1e-5)
     # step 1 compares 3 (rank 1 late by 50 ms); 4 waits a step for rank 0, which never reports it
-    assert by[11]["nccl_arrival_lag_s"] == pytest.approx(0.050, abs=1e-6)
-    assert by[10]["nccl_arrival_wait_frac"] == pytest.approx(0.050 * 10, abs=1e-5)
-    assert "nccl_arrival_lag_s" not in by[21]  # 4 had one rank only: nothing to compare
+    assert by[11]["arrival_lag_s"] == pytest.approx(0.050, abs=1e-6)
+    assert by[10]["arrival_wait_frac"] == pytest.approx(0.050 * 10, abs=1e-5)
+    assert "arrival_lag_s" not in by[21]  # 4 had one rank only: nothing to compare
     assert (order.compared, order.single, order.open_collectives()) == (3, 1, 0)

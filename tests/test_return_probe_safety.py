@@ -189,7 +189,7 @@ def test_return_sites_finds_the_rets_of_a_real_function(program):
     from fleetscope.producers.tracers.torch_ops import comm_symbols
     from fleetscope.producers.tracers.uprobes import file_offset
     lib = str(program / "libtorch_cpu.so")
-    fns = comm_symbols(lib)
+    fns = comm_symbols(lib).waits
     assert sorted(fn.kind for fn in fns) == [0, 1, 2]
     with open(lib, "rb") as f:
         for fn in fns:

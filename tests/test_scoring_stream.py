@@ -584,7 +584,7 @@ def test_a_job_slowdown_one_rank_arrives_late_for_names_that_rank_the_culprit_an
         store, tmp_path):
     """The job's rate falls (the job-rate detector flags the step) and every rank's own features change
     alike, so each rank's model flags all of them and no wait inside the calls differs: the order of arrival
-    (the feature sink's nccl_arrival_wait_frac) names the late rank the culprit and the others waiting, where
+    (the feature sink's arrival_wait_frac) names the late rank the culprit and the others waiting, where
     the job's rate would flag every rank with role job."""
     proc = processor(store, tmp_path, FakeClock())
     run(proc, range(2 * 40), np.random.default_rng(17), [0], batches=late_arriver_batches)

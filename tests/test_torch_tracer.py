@@ -142,7 +142,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_gloo_straggler_makes_its_peers_wait(tracer, tmp_path):
+def _run_gloo_job(tracer, tmp_path):
+    """The 3-rank job above, traced from after its warm-up: (its processes, the rows of its steps, probe
+    hits of the collectives family during them)."""
     script, go = tmp_path / "gloo_rank.py", tmp_path / "go"
     script.write_text(GLOO_RANK)
     env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], "GLOO_SOCKET_IFNAME": "lo"}
@@ -164,6 +166,11 @@ def test_gloo_straggler_makes_its_peers_wait(tracer, tmp_path):
         hits = tracer.hits()["collectives"] - hits0
     finally:
         stop_all(procs)
+    return procs, got, hits
+
+
+def test_gloo_straggler_makes_its_peers_wait(tracer, tmp_path):
+    procs, got, hits = _run_gloo_job(tracer, tmp_path)
     ns = {r: values(got, "torch.comm_wait_ns", p.pid) for r, p in enumerate(procs)}
     calls = {r: values(got, "torch.comm_wait_calls", p.pid) for r, p in enumerate(procs)}
     comm = {r: ns[r]["recv"] + ns[r]["send"] for r in ns}
@@ -178,8 +185,34 @@ def test_gloo_straggler_makes_its_peers_wait(tracer, tmp_path):
         assert comm[SLOW_RANK] < 0.5 * comm[peer]
         assert ns[SLOW_RANK]["work"] < 0.5 * ns[peer]["work"]
     assert all(r["sample_frac"] == 1.0 for r in got if r["metric"].startswith("torch.comm_wait"))
-    assert hits <= 2 * sum(sum(c.values()) for c in calls.values()) + 200  # entry + return per wait, no more
+    issued = sum(values(got, "torch.coll_issued", p.pid)["gloo0"] for p in procs)
+    assert issued == 3 * (GLOO_STEPS + 1)
+    # entry + return per wait and per issued collective (its arrival mark), no more
+    assert hits <= 2 * sum(sum(c.values()) for c in calls.values()) + 2 * issued + 200
     assert hits / 3 / (GLOO_STEPS + 1) < 100  # a few dozen hits per collective: always-on is affordable
+
+
+def test_gloo_marks_number_each_collective_alike_on_every_rank_and_the_sleeper_issues_last(tracer, tmp_path):
+    """The arrival marks (producers/tracers/gloo_marks.py): every rank reports the same tags for the job's
+    barrier and all_reduces, numbered by the group's own counter although the tracer joined after the
+    warm-up all_reduce, and at each all_reduce the rank that slept before it issues it last, about the
+    sleep later than its peers, which is what names the culprit (streams/arrival.py)."""
+    procs, got, _ = _run_gloo_job(tracer, tmp_path)
+    marks = {}
+    for rank, p in enumerate(procs):
+        marks[rank] = {int(d.split("#")[1]): v for d, v in values(got, "torch.coll_entry_ns", p.pid).items()
+                       if d.startswith("gloo0#")}
+    tags = sorted(marks[0])
+    assert len(tags) == GLOO_STEPS + 1 and all(sorted(m) == tags for m in marks.values()), marks
+    assert tags == list(range(tags[0], tags[0] + GLOO_STEPS + 1)) and tags[0] >= 1  # after the warm-up's tag
+    lags = []
+    for tag in tags[1:]:  # the all_reduces (the first tag is the barrier, which nobody sleeps before)
+        peers = max(marks[r][tag] for r in (0, 2))
+        lags.append((marks[SLOW_RANK][tag] - peers) / 1e9)
+    print(f"the sleeper issued each all_reduce {min(lags) * 1e3:.1f}-{max(lags) * 1e3:.1f} ms after its peers")
+    assert sum(lag > 0.5 * SLEEP_S for lag in lags) >= 0.9 * len(lags), lags
+    now = time.time_ns()
+    assert all(now - 120 * 10**9 < v < now for m in marks.values() for v in m.values())  # epoch ns
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build a library without the symbols")

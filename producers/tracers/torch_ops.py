@@ -70,6 +70,11 @@ without the probes), torch.comm_wait_max_ns (a gauge: the longest single wait
 of the interval), torch.comm_wait_unpaired (waits left without reaching a
 `ret`: by an exception or a tail call). A process without libtorch_cpu.so or without these
 symbols gets no rows; `family_unavailable[pid]` says why.
+The same family marks when each collective was issued, for who arrives last
+(producers/tracers/gloo_marks.py): c10d::ProcessGroupGloo::nextTag at its
+entry and at its `ret`, two hits per collective. Rows torch.coll_entry_ns
+and torch.coll_issued; a libtorch_cpu that does not export nextTag gets the
+waits without marks.
 
 Detail mode (detail=True: -DDETAIL, as for the CUDA and NCCL tracers; producers/tracers/detail.py): while the
 BPF detail gate is open (`set_detail_until`, or for the whole run with detail_always), each op's return and
@@ -92,6 +97,7 @@ from dataclasses import dataclass
 from fleetscope.wire import Batch
 from fleetscope.producers.tracers.discovery import find_library
 from fleetscope.producers.tracers.duty import DutyClock
+from fleetscope.producers.tracers.gloo_marks import NEXT_TAG_MANGLED, GlooMarks, tag_probe_sites
 from fleetscope.producers.tracers.detail import DetailRecords, detail_flags
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
 from fleetscope.producers.tracers.linked import LinkedFamilyTracer
@@ -136,6 +142,8 @@ class FamilyProbes:
     symbols: tuple[str, ...]       # per entry: demangled name (return probes are checked against RETURN_PROBES)
     exits: tuple[int, ...] = ()    # file offsets of `ret` instructions; () means a uretprobe on each entry
     exit_cookies: tuple[int, ...] = ()
+    marks: tuple[int, ...] = ()    # file offsets where arrival marks are taken: a function's entry...
+    mark_exits: tuple[int, ...] = ()  # ...and its `ret` instructions (gloo_marks.py)
 
 
 def _functions(path: str, dynamic: bool, fragments: tuple[str, ...]) -> list[tuple[int, int, str]]:
@@ -192,6 +200,12 @@ def op_symbols(path: str) -> list[tuple[int, str, str]]:
 
 
 @dataclass(frozen=True)
+class CommSymbols:
+    waits: tuple[CommFunction, ...]
+    next_tag: tuple[int, tuple[int, ...]] | None  # (address, `ret` addresses) of nextTag, where exported
+
+
+@dataclass(frozen=True)
 class CommFunction:
     addr: int
     kind: int                # index into COMM_KINDS
@@ -200,13 +214,14 @@ class CommFunction:
     jumps_out: int           # jumps that may leave it without a `ret` (not timed on such a path)
 
 
-def comm_symbols(path: str) -> list[CommFunction]:
+def comm_symbols(path: str) -> CommSymbols:
     """The gloo/c10d wait functions a libtorch_cpu exports, matched by demangled name, with their `ret`
-    instructions (disassembled: these throw, so they get no uretprobe); cached per file. A function whose
-    every exit is a tail call has nothing to time and is left out."""
+    instructions (disassembled: these throw, so they get no uretprobe), and nextTag for the arrival marks;
+    cached per file. A function whose every exit is a tail call has nothing to time and is left out."""
     def build():
         found: dict[int, CommFunction] = {}
-        for addr, size, name in _functions(path, True, ("UnboundBuffer", "4c10d4Work4wait")):
+        functions = _functions(path, True, ("UnboundBuffer", "4c10d4Work4wait", NEXT_TAG_MANGLED))
+        for addr, size, name in functions:
             m = _COMM_SYMBOL.match(name)
             if m and addr not in found:
                 sites = return_sites(path, addr, size)
@@ -219,9 +234,9 @@ def comm_symbols(path: str) -> list[CommFunction]:
                     found[addr] = fn
                 else:
                     log.warning("torch tracer: %s in %s has no ret instruction; not probed", name, path)
-        return [found[a] for a in sorted(found)]
+        return CommSymbols(tuple(found[a] for a in sorted(found)), tag_probe_sites(functions, path))
     syms = _cached("collectives", path, build)
-    if not syms:
+    if not syms.waits:
         raise TracerUnavailable(
             f"{path} exports none of gloo::transport::*::UnboundBuffer::waitRecv/waitSend or "
             "c10d::Work::wait (a torch build without distributed/gloo?); no collective wait for this process")
@@ -250,7 +265,7 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
             raise TracerUnavailable(f"loading bpf/torch.bpf.c failed ({e}); check that kernel headers exist "
                                     f"at /lib/modules/{os.uname().release}/build") from e
         self._prog = {fn: load_multi_program(self.bpf, fn, "torch op")
-                      for fn in ("op_entry", "op_return", "comm_entry", "comm_return")}
+                      for fn in ("op_entry", "op_return", "comm_entry", "comm_return", "tag_entry", "tag_return")}
         self.op_names: list[str] = sorted(self.ops)  # the BPF cookie is an index into this
         # pid -> {family: its probes}, for the families the process has probes for
         self.pids: dict[int, dict[str, FamilyProbes]] = {}
@@ -263,6 +278,7 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         self._prev: dict[str, dict] = {"calls": {}, "ns": {}, "lost": {}, "comm": {}, "unpaired": {}}
         self._last_ns = time.time_ns()
         self._init_detail(detail, detail_always, "torch op")  # records, the gate, set_detail_until (detail.py)
+        self.marks = GlooMarks(self.clock)
 
     def add_pid(self, pid: int) -> bool:
         """Trace every family the process has probes for; False (reasons in `unavailable`) if it has none."""
@@ -310,12 +326,15 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         if lib is None:
             raise TracerUnavailable(f"pid {pid} does not map libtorch_cpu.so (not a PyTorch process, "
                                     "or torch not imported yet)")
-        fns = comm_symbols(lib)
+        syms = comm_symbols(lib)
+        fns = syms.waits
         self.jumps_out[lib] = sum(f.jumps_out for f in fns)
         exits = [(ret, f.kind) for f in fns for ret in f.rets]
+        tag_addr, tag_rets = syms.next_tag or (None, ())
         return FamilyProbes(lib, tuple(file_offset(lib, f.addr) for f in fns), tuple(f.kind for f in fns),
                             tuple(f.name for f in fns), tuple(file_offset(lib, r) for r, _ in exits),
-                            tuple(k for _, k in exits))
+                            tuple(k for _, k in exits), () if tag_addr is None else (file_offset(lib, tag_addr),),
+                            tuple(file_offset(lib, r) for r in tag_rets))
 
     def hits(self) -> dict[str, int]:
         h = self.bpf[b"hits"]
@@ -339,6 +358,7 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         for (pid, op), (c, t) in per_op.items():
             rows += [("torch.ops", op, c, pid, interval, frac), ("torch.op_ns", op, t, pid, interval, frac)]
         rows += self._comm_rows(interval, fracs["collectives"])
+        rows += self.marks.rows(self.bpf[b"coll_marks"], interval, fracs["collectives"])
         self._drain_records()  # detail mode: this sample's records (one the ring refused counts in `lost`)
         lost = {k.value: v.value for k, v in self.bpf[b"lost"].items()}
         rows += [("torch.lost_events", "all", d, pid, interval, 1.0)
@@ -391,7 +411,8 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
 
     def _family_detached(self, family: str) -> None:
         # calls entered now will return unseen
-        self.bpf[b"stacks" if family == "ops" else b"comm_starts"].clear()
+        for table in ((b"stacks",) if family == "ops" else (b"comm_starts", b"tag_calls")):
+            self.bpf[table].clear()
 
     def _attach(self, pid: int, family: str) -> None:
         if family not in self.pids[pid]:
@@ -402,7 +423,11 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
             exit_link = Link(self._prog[ret], p.lib, p.exits, p.exit_cookies)
         else:  # a uretprobe, refused by the link set unless RETURN_PROBES covers every symbol
             exit_link = Link(self._prog[ret], p.lib, p.entries, p.cookies, retprobe=True, symbols=p.symbols)
-        self.links.attach((pid, family), [Link(self._prog[entry], p.lib, p.entries, p.cookies), exit_link], pid)
+        links = [Link(self._prog[entry], p.lib, p.entries, p.cookies), exit_link]
+        if p.marks:  # plain uprobes too: nextTag's entry and its `ret` instructions
+            links += [Link(self._prog["tag_entry"], p.lib, p.marks, (0,) * len(p.marks)),
+                      Link(self._prog["tag_return"], p.lib, p.mark_exits, (0,) * len(p.mark_exits))]
+        self.links.attach((pid, family), links, pid)
 
     def remove_pid(self, pid: int) -> None:
         super().remove_pid(pid)
@@ -410,7 +435,8 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
 
     def _forget(self, pid: int) -> None:
         self.remove_pid(pid)
-        for name in (b"ops", b"comm_waits", b"comm_max"):
+        self.marks.forget(pid)
+        for name in (b"ops", b"comm_waits", b"comm_max", b"coll_marks"):
             table = self.bpf[name]
             for k in [k for k in table.keys() if k.pid == pid]:
                 table.pop(k, None)

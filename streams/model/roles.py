@@ -5,10 +5,10 @@ collective, so the model flags the culprit and its waiting peers alike.
 Collective durations do not tell them apart (synchronisation evens them out);
 how long each rank *waited* does: the rank that arrives last waits least.
 
-The wait share, in order of preference: ``nccl_arrival_wait_frac`` (NCCL
-jobs whose communicators' init was traced: the time each rank entered its
-collectives before the last rank did, from the communicators' sequence
-numbers, streams/arrival.py: who arrives last, not how long a call took),
+The wait share, in order of preference: ``arrival_wait_frac`` (NCCL jobs
+whose communicators' init was traced, and gloo jobs: the time each rank
+entered its collectives before the last rank did, from the communicators'
+sequence numbers, streams/arrival.py: who arrives last, not how long a call took),
 ``nccl_time_frac`` (time inside NCCL calls) or, without NCCL,
 ``torch_comm_wait_frac`` (gloo: threads blocked waiting for peers). Per step,
 over the job's flagged ranks:
@@ -37,7 +37,7 @@ ROLES = (CULPRIT, WAITING, NODE, JOB)
 # Which share says "time spent waiting for peers", in order of preference: measured from the order of
 # arrival at each collective; else a job with NCCL waits in NCCL; a CPU job's gloo waits are in c10d's
 # wait probes.
-ARRIVAL_WAIT = "nccl_arrival_wait_frac"
+ARRIVAL_WAIT = "arrival_wait_frac"
 WAIT_FEATURES = (ARRIVAL_WAIT, "nccl_time_frac", "torch_comm_wait_frac")
 # "Clearly more": a rank waits at least this much longer (share of its window), and at least this
 # fraction of its own wait longer, than the least-waiting culprit. Healthy ranks of one job differ
