@@ -156,9 +156,10 @@ def test_the_gloo_rank_that_issues_its_collectives_late_is_the_culprit_and_its_p
     assert len(steps) >= 3 and order.compared >= 20, (len(steps), order.compared, order.single)
     for step in steps:
         lag_ms = {r: step[r]["arrival_lag_s"] * 1e3 for r in step}
-        # rank 1 sleeps GLOO_EXTRA_MS longer before each step, so it issues the step's first collective that
-        # much later than its peers (measured: 60 ms). The step's second one follows a point where the ranks
-        # are in step again and is issued alike on all (measured: < 1 ms apart), so the mean lag is about half.
+        # rank 1 sleeps GLOO_EXTRA_MS longer before each step, so it issues the step's first collective (the
+        # workload's loop check, all_ranks_past: a synchronous all_reduce right after the sleep) that much later
+        # than its peers (measured: 60 ms). That all_reduce brings the ranks back in step, so DDP's gradient
+        # all-reduce after it is issued alike on all (measured: < 1 ms apart); the mean lag is about half.
         assert lag_ms[1] > 0.35 * GLOO_EXTRA_MS and max(lag_ms[0], lag_ms[2]) < GLOO_EXTRA_MS / 10, lag_ms
         assert min(step[0]["arrival_wait_frac"], step[2]["arrival_wait_frac"]) > 0.2 > step[1]["arrival_wait_frac"]
         roles = assign_roles([0, 1, 2], [step[0], step[1], step[2]], [True, True, True])
