@@ -8,7 +8,7 @@
  * and copies nothing. Entry and return pair through a small per-thread stack;
  * counters are cumulative per (pid, op) and user space diffs them.
  *
- * Family "collectives" (always on): where gloo's algorithms and the c10d
+ * Family "waits" (duty-cycled): where gloo's algorithms and the c10d
  * caller block for peers (gloo UnboundBuffer::waitRecv/waitSend on gloo's
  * worker threads, c10d::Work::wait on the caller). The cookie is the kind
  * (0 recv, 1 send, 2 work); a kind never nests on one thread, so entry and
@@ -47,9 +47,9 @@ struct torch_stack {
 BPF_HASH(ops, struct torch_op_key, struct torch_op_stats, 8192);
 BPF_TABLE("lru_hash", u32, struct torch_stack, stacks, 4096);  /* per thread */
 BPF_HASH(lost, u32, u64, 1024);                                /* per pid */
-BPF_PERCPU_ARRAY(hits, u64, 2);  /* per family: 0 ops, 1 collectives */
+BPF_PERCPU_ARRAY(hits, u64, 3);  /* per family: 0 ops, 1 collectives (the marks), 2 waits */
 
-/* family "collectives" (struct names are local: no other program shares them) */
+/* family "waits" (struct names are local: no other program shares them) */
 struct comm_key {
     u32 pid;
     u32 kind;       /* the attach cookie: index into the tracer's COMM_KINDS */
@@ -87,7 +87,7 @@ struct torch_call_event {
     u32 pid;
     u32 tid;
     u32 what;       /* family 0: op index (the op's cookie); family 1: wait kind (index into COMM_KINDS) */
-    u32 family;     /* 0 ops, 1 collectives */
+    u32 family;     /* 0 ops, 1 waits */
 };
 
 BPF_RINGBUF_OUTPUT(calls, RING_PAGES);
@@ -176,7 +176,7 @@ int op_return(struct pt_regs *ctx) {
 }
 
 int comm_entry(struct pt_regs *ctx) {
-    count_hit(1);
+    count_hit(2);
     u64 id = bpf_get_current_pid_tgid();
     u32 kind = bpf_get_attach_cookie(ctx);
     u64 key = (id << 32) | kind;
@@ -193,7 +193,7 @@ int comm_entry(struct pt_regs *ctx) {
 }
 
 int comm_return(struct pt_regs *ctx) {
-    count_hit(1);
+    count_hit(2);
     u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
     u32 kind = bpf_get_attach_cookie(ctx);

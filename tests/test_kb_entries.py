@@ -16,6 +16,7 @@ import yaml
 from fleetscope.streams.diagnosis.anomaly import Anomaly
 from fleetscope.streams.diagnosis.kb import KB_DIR, KBError, load_kb
 from fleetscope.streams.diagnosis.matcher import diagnose
+from fleetscope.streams.model.roles import ROLES
 from support.kb_cases import CASES, HEALTHY, anomaly  # noqa: F401
 
 REQUIRED = {"gpu_power_thermal_throttling", "numa_misplacement", "irq_locality_miss", "huge_page_coverage_loss",
@@ -114,6 +115,8 @@ def _good(name: str = "demo") -> dict:
     (lambda d: (d["remediation"].pop("command"), d["remediation"].update(write={"path": "/etc/x", "value": "1"})),
      "remediation.write.path"),
     (lambda d: d.update(extra=1), "unknown fields ['extra']"),
+    (lambda d: d.update(roles=["culprit", "bystander"]), "roles"),
+    (lambda d: d.update(roles=[]), "roles"),
 ])
 def test_loader_error_names_file_and_field(tmp_path, mutate, field):
     doc = _good()
@@ -122,6 +125,20 @@ def test_loader_error_names_file_and_field(tmp_path, mutate, field):
     with pytest.raises(KBError) as err:
         load_kb(tmp_path)
     assert "demo.yaml" in str(err.value) and field in str(err.value)
+
+
+def test_a_job_wide_slowdown_explains_the_job_and_its_nodes_not_a_culprit_its_peers_wait_for(kb):
+    """The same window, diagnosed by its role: flagged `job` (no rank named) it is a job-wide slowdown; the
+    culprit whose peers wait for it slowed the job itself, and an entry for a rank must say why."""
+    features, peer_z, contributions = CASES["job_wide_slowdown"][0][0]
+    case = anomaly(features, peer_z, contributions)
+    for role in ("job", "node", ""):   # "" : stored before roles existed
+        case.role = role
+        assert diagnose(case, kb).best == "job_wide_slowdown", role
+    for role in ("culprit", "waiting"):
+        case.role = role
+        assert "job_wide_slowdown" not in [m.entry for m in diagnose(case, kb).matches], role
+    assert kb["job_wide_slowdown"].roles == ("job", "node") and kb["straggler_rank"].roles == ROLES
 
 
 def test_loader_reports_every_bad_file_and_accepts_good_ones(tmp_path):

@@ -46,7 +46,7 @@ Rows: torch.ops (calls) and torch.op_ns (time between wrapper entry and
 return) per op name, torch.lost_events; all deltas with the family's
 sample_frac (family "ops", expensive: duty-cycled by the governor).
 
-Family "collectives" (always on): how long a rank waits for its peers in
+Family "waits" (expensive: duty-cycled by the governor): how long a rank waits for its peers in
 torch.distributed's gloo backend (CPU jobs, where no NCCL tracer sees the
 straggler). Probes, from libtorch_cpu.so's dynamic symbol table (exported, so
 present in stripped builds too), matched by demangled name:
@@ -63,25 +63,30 @@ uretprobe: these throw). They fire per chunk of a collective, not per op: on
 the 3-rank test job one 64 KB all_reduce made 8 waitRecv + 8 waitSend + 1
 Work::wait per rank (33 probe hits, entry and return), a 16 MB one about 48
 waits; at 6-12 us a hit
-that is well under a millisecond per collective. Rows per pid and kind (device "recv", "send",
+that is well under a millisecond per collective, but on a small CPU DDP job (30 steps a second, two
+collectives a step) it is the whole 1% budget, and more while the peers of a straggler wait (its CPU time
+falls, the hits do not): the scenarios' dataloader stall had the always-on family shed 11 s into its
+fault, and with it the marks below, so the ranks' roles fell back to "every rank alike". So the waits
+are duty-cycled like the ops (rows carry the family's sample_frac; windows scale them), and only the
+marks stay always on. Rows per pid and kind (device "recv", "send",
 "work"): torch.comm_wait_calls and torch.comm_wait_ns (deltas; a measured 0
 while attached, so a rank with no collectives is not mistaken for one
 without the probes), torch.comm_wait_max_ns (a gauge: the longest single wait
 of the interval), torch.comm_wait_unpaired (waits left without reaching a
 `ret`: by an exception or a tail call). A process without libtorch_cpu.so or without these
 symbols gets no rows; `family_unavailable[pid]` says why.
-The same family marks when each collective was issued, for who arrives last
+Family "collectives" (always on) marks when each collective was issued, for who arrives last
 (producers/tracers/gloo_marks.py): c10d::ProcessGroupGloo::nextTag at its
 entry and at its `ret`, two hits per collective. Rows torch.coll_entry_ns
 and torch.coll_issued; a libtorch_cpu that does not export nextTag gets the
-waits without marks.
+waits without marks (`family_unavailable` says so).
 
 Detail mode (detail=True: -DDETAIL, as for the CUDA and NCCL tracers; producers/tracers/detail.py): while the
 BPF detail gate is open (`set_detail_until`, or for the whole run with detail_always), each op's return and
 each collective wait's return also sends one per-call record through a ring buffer, and each sample() drains
 them into `records`: {"api": the op name as in the rows ("mm", "linear", "backward") or the wait kind
 ("recv", "send", "work"), "pid", "tid", "ts_ns" (entry, epoch ns), "dur_ns", "family": "ops" or
-"collectives"}. The records come from the same return programs (no probe is added; the waits keep their
+"waits"}. The records come from the same return programs (no probe is added; the waits keep their
 `ret` uprobes). A record the ring could not take counts in torch.lost_events. With the gate closed a return
 pays one array lookup more; the rows count every call either way.
 """
@@ -97,7 +102,7 @@ from dataclasses import dataclass
 from fleetscope.wire import Batch
 from fleetscope.producers.tracers.discovery import find_library
 from fleetscope.producers.tracers.duty import DutyClock
-from fleetscope.producers.tracers.gloo_marks import NEXT_TAG_MANGLED, GlooMarks, tag_probe_sites
+from fleetscope.producers.tracers.gloo_marks import NEXT_TAG, NEXT_TAG_MANGLED, GlooMarks, tag_probe_sites
 from fleetscope.producers.tracers.detail import DetailRecords, detail_flags
 from fleetscope.producers.tracers.kernel import BPF_DIR, TracerUnavailable
 from fleetscope.producers.tracers.linked import LinkedFamilyTracer
@@ -109,8 +114,12 @@ log = logging.getLogger(__name__)
 
 LIBRARY = re.compile(r"/libtorch_python\.so$")
 CPU_LIBRARY = re.compile(r"/libtorch_cpu\.so$")
-FAMILIES = {"ops": "expensive", "collectives": "always"}
-FAMILY_INDEX = {"ops": 0, "collectives": 1}  # index into the BPF `hits` array
+FAMILIES = {"ops": "expensive", "waits": "expensive", "collectives": "always"}
+FAMILY_INDEX = {"ops": 0, "collectives": 1, "waits": 2}  # index into the BPF `hits` array
+# per family: its entry and exit programs (bpf/torch.bpf.c) and the per-thread table that detaching
+# leaves behind (calls entered then return unseen)
+PROGRAMS = {"ops": ("op_entry", "op_return", b"stacks"), "waits": ("comm_entry", "comm_return", b"comm_starts"),
+            "collectives": ("tag_entry", "tag_return", b"tag_calls")}
 COMM_KINDS = ("recv", "send", "work")  # the collectives' BPF cookie is an index into this
 _COMM_SYMBOL = re.compile(r"^(?:gloo::transport::\w+::UnboundBuffer::wait(Recv|Send)|c10d::Work::wait)\(")
 # Ops probed by default: the compute, loss and optimizer ops of common
@@ -142,8 +151,6 @@ class FamilyProbes:
     symbols: tuple[str, ...]       # per entry: demangled name (return probes are checked against RETURN_PROBES)
     exits: tuple[int, ...] = ()    # file offsets of `ret` instructions; () means a uretprobe on each entry
     exit_cookies: tuple[int, ...] = ()
-    marks: tuple[int, ...] = ()    # file offsets where arrival marks are taken: a function's entry...
-    mark_exits: tuple[int, ...] = ()  # ...and its `ret` instructions (gloo_marks.py)
 
 
 def _functions(path: str, dynamic: bool, fragments: tuple[str, ...]) -> list[tuple[int, int, str]]:
@@ -235,12 +242,7 @@ def comm_symbols(path: str) -> CommSymbols:
                 else:
                     log.warning("torch tracer: %s in %s has no ret instruction; not probed", name, path)
         return CommSymbols(tuple(found[a] for a in sorted(found)), tag_probe_sites(functions, path))
-    syms = _cached("collectives", path, build)
-    if not syms.waits:
-        raise TracerUnavailable(
-            f"{path} exports none of gloo::transport::*::UnboundBuffer::waitRecv/waitSend or "
-            "c10d::Work::wait (a torch build without distributed/gloo?); no collective wait for this process")
-    return syms
+    return _cached("collectives", path, build)
 
 
 class TorchTracer(DetailRecords, LinkedFamilyTracer):
@@ -265,7 +267,7 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
             raise TracerUnavailable(f"loading bpf/torch.bpf.c failed ({e}); check that kernel headers exist "
                                     f"at /lib/modules/{os.uname().release}/build") from e
         self._prog = {fn: load_multi_program(self.bpf, fn, "torch op")
-                      for fn in ("op_entry", "op_return", "comm_entry", "comm_return", "tag_entry", "tag_return")}
+                      for entry, ret, _ in PROGRAMS.values() for fn in (entry, ret)}
         self.op_names: list[str] = sorted(self.ops)  # the BPF cookie is an index into this
         # pid -> {family: its probes}, for the families the process has probes for
         self.pids: dict[int, dict[str, FamilyProbes]] = {}
@@ -286,7 +288,8 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         if pid in self.pids:
             return True
         targets, why = {}, {}
-        for family, find in (("ops", self._op_probes), ("collectives", self._comm_probes)):
+        for family, find in (("ops", self._op_probes), ("waits", self._wait_probes),
+                             ("collectives", self._mark_probes)):
             try:
                 targets[family] = find(pid)
             except (TracerUnavailable, OSError, ValueError) as e:
@@ -321,20 +324,35 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         return FamilyProbes(lib, tuple(file_offset(lib, a) for a, _, _ in syms),
                             tuple(self.op_names.index(op) for _, op, _ in syms), tuple(n for _, _, n in syms))
 
-    def _comm_probes(self, pid: int) -> FamilyProbes:
+    @staticmethod
+    def _cpu_library(pid: int) -> tuple[str, CommSymbols]:
         lib = find_library(pid, CPU_LIBRARY)
         if lib is None:
             raise TracerUnavailable(f"pid {pid} does not map libtorch_cpu.so (not a PyTorch process, "
                                     "or torch not imported yet)")
-        syms = comm_symbols(lib)
+        return lib, comm_symbols(lib)
+
+    def _wait_probes(self, pid: int) -> FamilyProbes:
+        lib, syms = self._cpu_library(pid)
         fns = syms.waits
+        if not fns:
+            raise TracerUnavailable(
+                f"{lib} exports none of gloo::transport::*::UnboundBuffer::waitRecv/waitSend or "
+                "c10d::Work::wait (a torch build without distributed/gloo?); no collective wait for this process")
         self.jumps_out[lib] = sum(f.jumps_out for f in fns)
         exits = [(ret, f.kind) for f in fns for ret in f.rets]
-        tag_addr, tag_rets = syms.next_tag or (None, ())
         return FamilyProbes(lib, tuple(file_offset(lib, f.addr) for f in fns), tuple(f.kind for f in fns),
                             tuple(f.name for f in fns), tuple(file_offset(lib, r) for r, _ in exits),
-                            tuple(k for _, k in exits), () if tag_addr is None else (file_offset(lib, tag_addr),),
-                            tuple(file_offset(lib, r) for r in tag_rets))
+                            tuple(k for _, k in exits))
+
+    def _mark_probes(self, pid: int) -> FamilyProbes:
+        lib, syms = self._cpu_library(pid)
+        if syms.next_tag is None:
+            raise TracerUnavailable(f"{lib} does not export c10d::ProcessGroupGloo::nextTag (a torch build "
+                                    "without gloo?); no arrival marks for this process")
+        addr, rets = syms.next_tag
+        return FamilyProbes(lib, (file_offset(lib, addr),), (0,), (NEXT_TAG,),
+                            tuple(file_offset(lib, r) for r in rets), (0,) * len(rets))
 
     def hits(self) -> dict[str, int]:
         h = self.bpf[b"hits"]
@@ -357,7 +375,7 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         rows = []
         for (pid, op), (c, t) in per_op.items():
             rows += [("torch.ops", op, c, pid, interval, frac), ("torch.op_ns", op, t, pid, interval, frac)]
-        rows += self._comm_rows(interval, fracs["collectives"])
+        rows += self._comm_rows(interval, fracs["waits"])
         rows += self.marks.rows(self.bpf[b"coll_marks"], interval, fracs["collectives"])
         self._drain_records()  # detail mode: this sample's records (one the ring refused counts in `lost`)
         lost = {k.value: v.value for k, v in self.bpf[b"lost"].items()}
@@ -375,8 +393,8 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         cur = {(k.pid, k.kind): (v.calls, v.ns) for k, v in stats}
         unpaired = {(k.pid, k.kind): v.unpaired for k, v in stats}
         prev, self._prev["comm"] = self._prev["comm"], cur
-        keys = {(pid, kind) for pid, fams in self.pids.items() if (pid, "collectives") in self.links
-                for kind in fams["collectives"].cookies}
+        keys = {(pid, kind) for pid, fams in self.pids.items() if (pid, "waits") in self.links
+                for kind in fams["waits"].cookies}
         keys.update(k for k, v in cur.items() if v != prev.get(k))
         rows = []
         for pid, kind in sorted(keys):
@@ -397,7 +415,7 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         if ev.family == 0:
             api, family = self.op_names[ev.what], "ops"
         else:
-            api, family = COMM_KINDS[ev.what], "collectives"
+            api, family = COMM_KINDS[ev.what], "waits"
         self.records.append({"api": api, "pid": int(ev.pid), "tid": int(ev.tid),
                              "ts_ns": self.clock.to_epoch_ns(ev.ts), "dur_ns": int(ev.dur_ns), "family": family})
 
@@ -411,23 +429,18 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
 
     def _family_detached(self, family: str) -> None:
         # calls entered now will return unseen
-        for table in ((b"stacks",) if family == "ops" else (b"comm_starts", b"tag_calls")):
-            self.bpf[table].clear()
+        self.bpf[PROGRAMS[family][2]].clear()
 
     def _attach(self, pid: int, family: str) -> None:
         if family not in self.pids[pid]:
             return  # this process has no probes of the family (see family_unavailable)
         p = self.pids[pid][family]
-        entry, ret = ("op_entry", "op_return") if family == "ops" else ("comm_entry", "comm_return")
+        entry, ret, _ = PROGRAMS[family]
         if p.exits:  # plain uprobes on the `ret` instructions: nothing on the stack is replaced
             exit_link = Link(self._prog[ret], p.lib, p.exits, p.exit_cookies)
         else:  # a uretprobe, refused by the link set unless RETURN_PROBES covers every symbol
             exit_link = Link(self._prog[ret], p.lib, p.entries, p.cookies, retprobe=True, symbols=p.symbols)
-        links = [Link(self._prog[entry], p.lib, p.entries, p.cookies), exit_link]
-        if p.marks:  # plain uprobes too: nextTag's entry and its `ret` instructions
-            links += [Link(self._prog["tag_entry"], p.lib, p.marks, (0,) * len(p.marks)),
-                      Link(self._prog["tag_return"], p.lib, p.mark_exits, (0,) * len(p.mark_exits))]
-        self.links.attach((pid, family), links, pid)
+        self.links.attach((pid, family), [Link(self._prog[entry], p.lib, p.entries, p.cookies), exit_link], pid)
 
     def remove_pid(self, pid: int) -> None:
         super().remove_pid(pid)

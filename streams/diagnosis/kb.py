@@ -20,6 +20,7 @@ A file holds (every field is checked on load; an error names file and field):
       auto: false                      # may it run without an operator
       requires: [numactl]              # tools that must exist on the host
     requires: [irq_rank_cpu_share, peer_z.thp_coverage_frac]   # optional: features the entry waits for
+    roles: [job, node]                 # optional: the roles of flagged windows it can explain (default: all)
 
 Every feature named in `rules` and `evidence` must be one that a builder emits
 (streams/feature_catalogue.py), and a `peer_z` condition needs a feature of the
@@ -32,7 +33,9 @@ else is a load error naming the file and the feature.
 A condition reads the window's feature value (`feature`) or its peer z-score
 (`peer_z`); `abs: true` compares the magnitude. A masked (absent) input makes
 its condition false, unless it says `if_present: true`: then an absent input
-holds (a GPU condition that a CPU-only job cannot be asked about). `{name}` placeholders in commands are filled per argv
+holds (a GPU condition that a CPU-only job cannot be asked about). `roles` limits an entry to the windows
+whose role (streams/model/roles.py) fits its story: a job-wide slowdown explains the ranks flagged `job`
+or `node`, not a culprit whose peers wait for it. `{name}` placeholders in commands are filled per argv
 token at plan time (remediation.py), never through a shell.
 """
 from __future__ import annotations
@@ -50,6 +53,7 @@ import yaml
 from fleetscope.resources import package_dir
 from fleetscope.streams.diagnosis.fingerprint import pattern_vector
 from fleetscope.streams.feature_catalogue import ALL_FEATURES, PEER_Z_FEATURES
+from fleetscope.streams.model.roles import ROLES
 
 KB_DIR = package_dir("fleetscope.kb")
 UNMATCHED = "unmatched"
@@ -128,6 +132,11 @@ class Entry:
     remediation: Remediation
     path: Path = field(default=Path(), compare=False)
     missing: tuple[str, ...] = ()   # inputs its rules wait for (`requires:`): empty when it can match today
+    roles: tuple[str, ...] = ROLES  # the roles of flagged windows it can explain
+
+    def explains_role(self, role: str) -> bool:
+        """An anomaly without a role (stored before roles existed) fits every entry."""
+        return not role or role in self.roles
 
     @property
     def reachable(self) -> bool:
@@ -166,7 +175,7 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     where = str(path)
     if not isinstance(doc, dict):
         raise KBError(f"{where}: the file must hold a mapping, got {type(doc).__name__}")
-    known = {"name", "description", "fingerprint", "rules", "evidence", "remediation", "requires"}
+    known = {"name", "description", "fingerprint", "rules", "evidence", "remediation", "requires", "roles"}
     _no_unknown(doc, known, where)
     name = _required(doc, "name", str, where)
     if not NAME_RE.match(name) or name == UNMATCHED:
@@ -193,7 +202,11 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
         raise KBError(f"{where}: requires: must be a list of feature names (or peer_z.<feature>)")
     missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where)
-    return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path, missing)
+    roles = doc.get("roles", list(ROLES))
+    if not isinstance(roles, list) or not roles or not all(r in ROLES for r in roles):
+        raise KBError(f"{where}: roles: must be a non-empty list of {list(ROLES)}, got {roles!r}")
+    return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path, missing,
+                 tuple(roles))
 
 
 def _need(c: Condition) -> str:

@@ -1,7 +1,8 @@
 """Match an anomaly to KB entries, each with a confidence in [0, 1].
 
-An entry is a candidate only when its rules pass: every `all` condition
-holds and, if it has `any` conditions, at least one does. A masked input
+An entry is a candidate only when the anomaly's role is one it explains
+(`roles`) and its rules pass: every `all` condition holds and, if it has
+`any` conditions, at least one does. A masked input
 makes its condition false, so an entry never matches on missing data.
 
 confidence = 0.5 * rule_part + 0.5 * pattern_part, where
@@ -57,6 +58,8 @@ class Diagnosis:
 
 def match_entry(entry: Entry, anomaly: Anomaly, attribution: Attribution) -> Match | None:
     feats, peers = anomaly.features, anomaly.peer_z
+    if not entry.explains_role(anomaly.role):
+        return None
     if not all(c.holds(feats, peers) for c in entry.all_rules):
         return None
     any_held = [c for c in entry.any_rules if c.holds(feats, peers)]
