@@ -7,6 +7,10 @@ Streams: tests/support/synthetic.py (8 ranks, 30 features, job-wide and per-rank
 """
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -15,6 +19,7 @@ from support.synthetic import SyntheticJob
 
 CFG = ModelConfig(detectors=("gmm", "peer"))        # the default rule's detectors
 PLAIN = ModelConfig(detectors=("gmm", "peer"), peer_offset_rate=0.0)   # no offsets: the old peer z
+RECORDED = Path(__file__).parent / "recorded"
 START = 80                                           # a mid-run change, well after the 30-window warm-up
 ODD, SLOW = 2, 5                                     # the rank odd by design, the rank that becomes slow
 BIG = [0, 1, 2, 3, 4, 5]                             # twice the work on these, from the first window
@@ -125,3 +130,23 @@ def test_a_checkpoint_from_before_the_offsets_still_loads_and_relearns_them():
     restored = JobModel.from_bytes(blob)
     assert restored.detectors["peer"].offsets.ranks == {}
     np.testing.assert_array_equal(restored.detectors["peer"].peers.typical, model.detectors["peer"].peers.typical)
+
+
+def test_a_stalled_rank_that_recovers_is_quiet_again_on_the_vectors_a_real_run_produced():
+    """Replayed: the rank vectors the worker built in a real dataloader_stall run (tests/recorded/, 3 gloo
+    ranks, rank 1 reading 8 MiB per batch from disk, 30-60 s). Its peers wait for it, so most ranks are
+    flagged and after regime_windows the job model learns the stall as a new regime, every window. Those
+    windows made rank 1's own wobble on bytes read 600x larger, its offset followed the stall at that
+    speed, and it was flagged for 15 windows after the stall, reading what its peers read (peer z -20).
+    Each window now counts at most peers.SPREAD_CLIP of the wobble."""
+    doc = json.loads(gzip.open(RECORDED / "dataloader_stall_rank_vectors.json.gz", "rt").read())
+    model = JobModel(ModelConfig(warmup_windows=15, detectors=("gmm", "peer")))
+    peer = {}
+    for w in doc["windows"]:
+        k = round(w["t_s"])
+        for s in model.process_window(round((1000 + w["t_s"]) * 1e9), [(r, v) for r, v in w["ranks"]]):
+            peer[s.rank, k] = "peer" in s.detectors
+    assert model.stats["regime_windows_learned"] > 0     # the stall became the job's regime: the case at stake
+    assert sum(peer.get((1, k), False) for k in range(31, 60)) >= 27
+    after = [k for k in range(62, 90) if peer.get((1, k))]
+    assert not after, after

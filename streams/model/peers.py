@@ -128,6 +128,7 @@ class PeerComparison:
 
 OFFSET_SLACK = 1.0        # peer scales of a rank's learned offset left in its z (see RankOffsets.adjust)
 SPREAD_SLACK = 1.25       # a rank's own spread within this factor of the usual rank's does not widen its scale
+SPREAD_CLIP = 3.0         # a window's |d - offset| counts at most this many of the rank's spread (or peer scales)
 RECENT = 5                # windows of each rank's recent differences kept per feature (their median)
 MAX_OFFSET_RANKS = 512    # ranks of one job whose offsets are kept (bounded: a checkpoint carries them);
                           # further ranks are judged by plain peer z
@@ -247,8 +248,15 @@ class RankOffsets:
         wobble = learn & (fast | (weights[kept] >= 1.0)[:, None])
         step = np.where(fast, np.maximum(1.0 / (n + 1), self.rate), self.rate)
         off = self.offset[ix]
-        dev = np.abs(np.where(learn, d, 0.0) - off)
         spread = self.spread[ix]
+        # a window counts at most SPREAD_CLIP of the rank's usual wobble (or of the peer scale): when the job
+        # model accepts a new regime (regime_windows flagged in a row) it learns every window, and a
+        # straggler's peers waiting for it are flagged too, so a 30 s dataloader stall became "the new
+        # normal" 20 windows in; unclipped, its reads (67 MB/s against none) made the rank's wobble 600x
+        # larger, the bounded offset followed the stall at that speed, and the rank was flagged for 15
+        # windows after the stall ended, reading what its peers read (peer z -20)
+        cap = SPREAD_CLIP * np.maximum(spread, np.broadcast_to(scale, off.shape))
+        dev = np.minimum(np.abs(np.where(learn, d, 0.0) - off), cap)
         spread = np.where(wobble, np.where(n == 0, 0.0, spread + step * (dev - spread)), spread)
         self.spread[ix] = spread
         ri, ci = np.nonzero(learn)
