@@ -53,7 +53,8 @@ BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "exit_features": {"rank": ("process_exit_abnormal", "process_exit_signal"), "node": ()},
     "torch_features": {"rank": ("torch_ops_per_s", *(f"torch_{cls}_ops_per_s" for cls, _ in TORCH_CLASSES),
                                 "torch_other_ops_per_s", "torch_op_time_frac", "torch_comm_wait_frac",
-                                "torch_comm_waits_per_s", "torch_work_wait_frac"), "node": ()},
+                                "torch_comm_waits_per_s", "torch_work_wait_frac", "torch_collectives_per_s"),
+                      "node": ()},
 }
 
 RANK_FEATURES = frozenset(n for b in BUILDERS.values() for n in b["rank"])

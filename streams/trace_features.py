@@ -191,8 +191,12 @@ def torch_features(w: Window) -> dict[str, float]:
             out[f"torch_{cls}_ops_per_s"] = n / span
         op_ns = _sum(w, "torch", "torch.op_ns")
         _put(out, "torch_op_time_frac", None if op_ns is None else op_ns / 1e9 / span)
-    # Collective waits (gloo/c10d, family "collectives"): threads waiting for peers, on average over the
-    # window. The tracer sends a measured 0 while its probes are attached; no rows means no probes (masked).
+    # Collectives issued (gloo, the always-on marks of family "collectives"): the job's collective rate
+    issued = _sum(w, "torch", "torch.coll_issued")
+    _put(out, "torch_collectives_per_s", None if issued is None else issued / span)
+    # Collective waits (gloo/c10d, family "waits", duty-cycled and scaled by its sample_frac): threads waiting
+    # for peers, on average over the window. The tracer sends a measured 0 while its probes are attached; no
+    # rows means no probes (masked).
     comm_ns = _sum(w, "torch", "torch.comm_wait_ns", COMM_WAITS)
     _put(out, "torch_comm_wait_frac", None if comm_ns is None else comm_ns / 1e9 / span)
     comm_n = _sum(w, "torch", "torch.comm_wait_calls", COMM_WAITS)

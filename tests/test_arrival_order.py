@@ -166,6 +166,10 @@ def test_the_gloo_rank_that_issues_its_collectives_late_is_the_culprit_and_its_p
         assert roles.wait_feature == "arrival_wait_frac"
         assert roles.roles == [WAITING, CULPRIT, WAITING] and roles.culprit_ranks == [1]
         assert last_arrivers([step[0], step[1], step[2]]) == [1]
+        # the job's collective rate (model/job_rate.py) from the always-on marks: every rank of a synchronous
+        # job issues the same collectives, two a step here
+        rates = [step[r]["torch_collectives_per_s"] for r in (0, 1, 2)]
+        assert min(rates) > 0 and max(rates) < 1.5 * min(rates) + 4, rates
 
 
 def _steps_done(progress_file) -> int:

@@ -35,7 +35,7 @@ RANK_ROWS = {   # source -> (metric, device, value, interval_ns): every metric t
     "torch": [("torch.ops", "aten::mm", 10, TICK), ("torch.ops", "aten::relu", 10, TICK),
               ("torch.ops", "aten::cat", 10, TICK), ("torch.op_ns", "all", 1e6, TICK),
               ("torch.comm_wait_ns", "recv", 1e6, TICK), ("torch.comm_wait_calls", "recv", 3, TICK),
-              ("torch.comm_wait_ns", "work", 1e6, TICK)],
+              ("torch.comm_wait_ns", "work", 1e6, TICK), ("torch.coll_issued", "gloo0", 2, TICK)],
     "kernel": [(m, "all", 1e6, TICK) for m in ("kernel.offcpu_ns", "kernel.runq_wait_ns", "kernel.ctx_switches",
                                               "kernel.tcp_retransmits", "kernel.irq_count")]
               + [("kernel.process_exit", "signal:SIGKILL", 1, TICK)],   # a crashed process (exit_features)

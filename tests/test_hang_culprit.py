@@ -190,3 +190,22 @@ def test_only_signatures_read_inside_the_silence_count():
 def test_the_id_is_a_category_the_model_never_sees():
     assert frame_id("train:forward") == frame_id("train:forward") != frame_id("train:backward")
     assert model_input({FEATURE: 1.0, "nccl_calls_per_s": 2.0}) == {"nccl_calls_per_s": 2.0}
+
+
+def test_a_gloo_job_whose_waits_the_governor_detaches_still_hangs_on_its_collectives_issued():
+    """gloo's waits are duty-cycled (producers/tracers/torch_ops.py): in most windows a rank reports only the
+    always-on marks' ``torch_collectives_per_s``, a measured 0 once it issues none. Windows with waits and
+    windows without them read alike, so a job whose ranks all stop issuing collectives is hung after
+    hang_windows, and a calling job with its waits detached is not."""
+    members = [("node-a", r) for r in range(3)]
+    loud = LoudFailures(hang_windows=3, history=3)
+    job = ("acme", "gloo")
+    for k in range(8):   # calling; the waits attached every other window
+        v = {"torch_collectives_per_s": 60.0, **({"torch_comm_waits_per_s": 900.0} if k % 2 else {})}
+        assert loud.step(job, T0 + k * SEC, members, [dict(v) for _ in members]) == []
+    flags = []
+    for k in range(8, 12):   # none issues a collective any more, waits attached or not
+        v = {"torch_collectives_per_s": 0.0, **({"torch_comm_waits_per_s": 0.0} if k % 2 else {})}
+        flags.append(loud.step(job, T0 + k * SEC, members, [dict(v) for _ in members]))
+    assert [len(f) for f in flags] == [0, 0, 3, 3]
+    assert {(f.rank, f.kind) for f in flags[2]} == {(0, "hung"), (1, "hung"), (2, "hung")}

@@ -145,7 +145,7 @@ def _free_port() -> int:
 
 def _run_gloo_job(tracer, tmp_path):
     """The 3-rank job above, traced from after its warm-up: (its processes, the rows of its steps, probe
-    hits per family during them)."""
+    hits per family during them, the rows of a sample after their last collective)."""
     script, go = tmp_path / "gloo_rank.py", tmp_path / "go"
     script.write_text(GLOO_RANK)
     env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], "GLOO_SOCKET_IFNAME": "lo"}
@@ -165,13 +165,15 @@ def _run_gloo_job(tracer, tmp_path):
             wait_for(f"{go}.done{r}")
         got = rows(tracer.sample())
         hits = {family: n - hits0[family] for family, n in tracer.hits().items()}
+        time.sleep(0.3)
+        idle = rows(tracer.sample())   # the ranks sleep after their last all_reduce, still traced
     finally:
         stop_all(procs)
-    return procs, got, hits
+    return procs, got, hits, idle
 
 
 def test_gloo_straggler_makes_its_peers_wait(tracer, tmp_path):
-    procs, got, hits = _run_gloo_job(tracer, tmp_path)
+    procs, got, hits, idle = _run_gloo_job(tracer, tmp_path)
     ns = {r: values(got, "torch.comm_wait_ns", p.pid) for r, p in enumerate(procs)}
     calls = {r: values(got, "torch.comm_wait_calls", p.pid) for r, p in enumerate(procs)}
     comm = {r: ns[r]["recv"] + ns[r]["send"] for r in ns}
@@ -189,6 +191,8 @@ def test_gloo_straggler_makes_its_peers_wait(tracer, tmp_path):
     assert all(r["sample_frac"] == 1.0 for r in got if r["metric"].startswith("torch.comm_wait"))
     issued = sum(values(got, "torch.coll_issued", p.pid)["gloo0"] for p in procs)
     assert issued == 3 * (GLOO_STEPS + 1)
+    # a traced rank that issues no collective says so, a measured 0 (a stuck rank's silence, model/loud.py)
+    assert [values(idle, "torch.coll_issued", p.pid) for p in procs] == [{"gloo0": 0}] * 3
     # entry + return per wait, no more: a few dozen per collective, which the governor duty-cycles
     assert hits["waits"] <= 2 * sum(sum(c.values()) for c in calls.values()) + 200
     assert hits["waits"] / 3 / (GLOO_STEPS + 1) < 100
@@ -201,7 +205,7 @@ def test_gloo_marks_number_each_collective_alike_on_every_rank_and_the_sleeper_i
     barrier and all_reduces, numbered by the group's own counter although the tracer joined after the
     warm-up all_reduce, and at each all_reduce the rank that slept before it issues it last, about the
     sleep later than its peers, which is what names the culprit (streams/arrival.py)."""
-    procs, got, _ = _run_gloo_job(tracer, tmp_path)
+    procs, got, _, _ = _run_gloo_job(tracer, tmp_path)
     marks = {}
     for rank, p in enumerate(procs):
         marks[rank] = {int(d.split("#")[1]): v for d, v in values(got, "torch.coll_entry_ns", p.pid).items()

@@ -21,7 +21,10 @@ What this module makes of the marks, per sample:
   differently on different ranks; its marks are then not comparable
   (streams/arrival.py compares only marks every rank reported).
 - torch.coll_issued (delta, device "gloo<g>"): collectives issued, marked or
-  not; the arrival features use it for the rate of collectives.
+  not; the arrival features use it for the rate of collectives, the job's own
+  history for the job's rate, the hang check for silence. A group seen before
+  gets a measured 0 in a sample in which its process, still traced, issued
+  none: a rank stuck in a collective issues no more (silence, not unknown).
 A group issuing more than MARKS_PER_TICK collectives in a sample keeps only
 the tags divisible by 2^k (nccl.mark_shift), the same rule on every rank, so
 ranks keep comparable marks.
@@ -60,8 +63,9 @@ class GlooMarks:
         self.clock = clock
         self._groups: dict[int, dict[int, int]] = {}  # pid -> {group address: its number in this process}
 
-    def rows(self, table, interval: int, frac: float) -> list[tuple]:
-        """Read and empty `table` (coll_marks): the marks and counts of every group since the last sample."""
+    def rows(self, table, interval: int, frac: float, traced=()) -> list[tuple]:
+        """Read and empty `table` (coll_marks): the marks and counts of every group since the last sample; a
+        measured 0 for each known group of the `traced` pids (the marks attached) that issued none."""
         marks = sorted(((int(k.pid), int(k.group), int(k.tag), int(getattr(v, "value", v)))
                         for k, v in table.items_lookup_and_delete_batch()), key=lambda m: m[3])
         by_group: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -69,6 +73,9 @@ class GlooMarks:
             groups = self._groups.setdefault(pid, {})
             number = groups.setdefault(group, len(groups))
             by_group.setdefault((pid, number), []).append((tag, ts))
+        for pid in traced:
+            for number in self._groups.get(pid, {}).values():
+                by_group.setdefault((pid, number), [])
         rows = []
         for (pid, number), issued in sorted(by_group.items()):
             rows.append(("torch.coll_issued", f"gloo{number}", len(issued), pid, interval, frac))

@@ -376,7 +376,8 @@ class TorchTracer(DetailRecords, LinkedFamilyTracer):
         for (pid, op), (c, t) in per_op.items():
             rows += [("torch.ops", op, c, pid, interval, frac), ("torch.op_ns", op, t, pid, interval, frac)]
         rows += self._comm_rows(interval, fracs["waits"])
-        rows += self.marks.rows(self.bpf[b"coll_marks"], interval, fracs["collectives"])
+        rows += self.marks.rows(self.bpf[b"coll_marks"], interval, fracs["collectives"],
+                                [pid for pid in self.pids if (pid, "collectives") in self.links])
         self._drain_records()  # detail mode: this sample's records (one the ring refused counts in `lost`)
         lost = {k.value: v.value for k, v in self.bpf[b"lost"].items()}
         rows += [("torch.lost_events", "all", d, pid, interval, 1.0)

@@ -6,8 +6,10 @@ job's own past can. Per job step:
 
 - the job's collective rate is the median over its ranks of the completed
   collective calls per second: ``nccl_calls_per_s`` for NCCL jobs,
-  ``torch_comm_waits_per_s`` (gloo waits) for CPU jobs, whichever at least
-  half the ranks report;
+  ``torch_collectives_per_s`` (gloo collectives issued, from the always-on
+  marks) for CPU jobs, else ``torch_comm_waits_per_s`` (gloo's waits: duty-
+  cycled, so a noisy estimate, and missing while detached), whichever at
+  least half the ranks report;
 - iteration time. A training step issues the same collectives every
   iteration, so the collective rate is (calls per iteration) / (iteration
   time). The windows carry per-window counts, not call timestamps, so the
@@ -51,7 +53,7 @@ from river.drift import PageHinkley
 
 from fleetscope.streams.model.checkpoint import JobPart
 
-RATE_FEATURES = ("nccl_calls_per_s", "torch_comm_waits_per_s")
+RATE_FEATURES = ("nccl_calls_per_s", "torch_collectives_per_s", "torch_comm_waits_per_s")
 OFU_FEATURE = "job_gpu_ofu"
 MAD_TO_SIGMA = 1.4826
 REL_FLOOR = 0.02     # the rate's scale is at least 2% of its level: healthy jobs vary by a few percent

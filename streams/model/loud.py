@@ -29,15 +29,16 @@ GPU, see streams/rank_context.py):
   step older than the job's newest (such a window, closed later by
   ``idle_close_s``) changes no membership;
 - ``hung``: every rank that had been completing collectives (NCCL calls, or
-  gloo waits) for ``history`` windows completed none for ``hang_windows``
+  gloo collectives issued or waits) for ``history`` windows completed none for ``hang_windows``
   steps in a row, while every rank of the job still reports: the tracers
   report a call when it returns, so a call stuck in flight reads as silence.
   A job that ends normally goes silent in its collectives for the window or
   two its ranks take to exit, then its ranks stop reporting: shorter than
   ``hang_windows``, or with ranks gone, it is not a hang (a rank gone is
-  ``vanished``'s). A gloo rank without ``torch_comm_waits_per_s`` has no
-  collective probes attached this window (the torch tracer sends a measured
-  0 while they are; the governor may detach them): unknown, not silent. The
+  ``vanished``'s). A gloo rank with neither ``torch_collectives_per_s`` nor
+  ``torch_comm_waits_per_s`` has no collective probes attached this window
+  (the torch tracer sends a measured 0 while they are; the governor
+  duty-cycles the waits and may shed the marks): unknown, not silent. The
   NCCL tracer sends rows only for calls, so its absence stays silence. The
   call rates cannot tell the stuck rank from the ones it blocks; their
   sampled Python stacks can (as ByteRobust and Mycroft do with stack dumps):
@@ -61,7 +62,8 @@ from fleetscope.streams.exit_features import ABNORMAL, SIGNAL
 from fleetscope.streams.model.roles import CULPRIT, JOB, WAITING
 from fleetscope.streams.stack_signature import FEATURE as FRAME_FEATURE
 
-CALL_RATES = ("nccl_calls_per_s", "torch_comm_waits_per_s")
+CALL_RATES = ("nccl_calls_per_s", "torch_collectives_per_s", "torch_comm_waits_per_s")
+GLOO_RATES = ("torch_collectives_per_s", "torch_comm_waits_per_s")
 ECC_COUNTS = ("gpu_ecc_uncorrected", "gpu_row_remap_pending")
 KIND_FEATURE = {"xid": "gpu_xid_count", "ecc": "gpu_ecc_new_errors", "vanished": "rank_vanished",
                 "hung": "collective_stalled", "crashed": "rank_crashed"}
@@ -177,10 +179,10 @@ class LoudFailures:
         stalled, calling = [], 0
         for i, ((host, rank), v) in enumerate(zip(members, vectors)):
             key = (*job, host, rank)
-            if key in self.gloo and "torch_comm_waits_per_s" not in v and "nccl_calls_per_s" not in v:
+            if key in self.gloo and not any(name in v for name in GLOO_RATES) and "nccl_calls_per_s" not in v:
                 continue      # its gloo probes are detached this window: unknown, neither calling nor silent
             rates = [_num(v.get(name)) for name in CALL_RATES if name in v]
-            if "torch_comm_waits_per_s" in v:
+            if any(name in v for name in GLOO_RATES):
                 self.gloo.add(key)
             called = any(r > 0 for r in rates)
             if called:
