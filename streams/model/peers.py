@@ -153,10 +153,12 @@ class RankOffsets:
                 start-up looks alike on every rank: the offset is the rank's place after it);
                 once the model is warm it follows that median at a bounded speed, at most ``rate``
                 of max(scale_j, the rank's own spread) per window.
-    Once the cell has ``min_obs`` observations the peer detector's z becomes
+    Until a cell has ``min_obs`` observations its z is 0 (not judged: a feature that shows up late, its place
+    learned as it is, like one held from the start). Once it has them the peer detector's z becomes
         z' = (d - shrunk offset) / (scale_j * widen)
-    - the shrunk offset is the part of the offset beyond OFFSET_SLACK peer scales: a rank within
-      the peers' usual spread is judged exactly as before;
+    - the shrunk offset is the part of the offset beyond OFFSET_SLACK of the larger of the peer scale
+      and the rank's own spread: a rank within the peers' usual spread, or its own, is judged exactly
+      as before;
     - widen >= 1 is how much noisier this rank is than the job's usual rank (the median over ranks
       of each one's spread of its recent d, or the peer scale if larger), beyond SPREAD_SLACK.
     A rank that has run twice the batch of its peers from the start has z' near 0; a rank whose
@@ -212,11 +214,20 @@ class RankOffsets:
         kept = rows >= 0
         off = np.zeros_like(diff)
         widen = np.ones_like(diff)
+        judged = np.ones(diff.shape, bool)
         if kept.any():
             r = rows[kept]
             known = self.count[np.ix_(r, cols)] >= self.min_obs
+            judged[kept] = known
             learned = np.where(known, self.offset[np.ix_(r, cols)], 0.0)
-            off[kept] = np.sign(learned) * np.maximum(np.abs(learned) - OFFSET_SLACK * scale, 0.0)
+            # the offset counts beyond the peers' scale and the rank's own wobble alike: the wobble is also
+            # how far the bounded offset may move in 1/rate windows (learn), so a straggler's first 50
+            # windows do not become its place. With the peer scale alone, a rank read far more than its
+            # peers during a 30 s stall, its offset moved 250 B/s a window within its 10 kB/s wobble, the
+            # peers' scale then fell to 600 B/s (no rank read anything), and the rank was flagged for 27
+            # windows after the stall (peer z -12)
+            slack = OFFSET_SLACK * np.maximum(scale, MEAN_AD_TO_SIGMA * self.spread[np.ix_(r, cols)])
+            off[kept] = np.sign(learned) * np.maximum(np.abs(learned) - slack, 0.0)
             has = known & observed[kept]
             enough = has.sum(axis=0) >= 3
             if enough.any():
@@ -226,7 +237,12 @@ class RankOffsets:
                 sub[:, enough] = np.where(has[:, enough], np.maximum(own / (SPREAD_SLACK * usual), 1.0), 1.0)
                 widen[kept] = sub
         z = (diff - off) / (scale * widen)
-        return np.where(observed, z, 0.0)
+        # a cell is judged once its offset is known: a rank's place among its peers on a feature that shows
+        # up after the job's start (a duty-cycled probe family the governor attaches later, at a low duty:
+        # torch ops, Python calls) is learned as it is, like a place held from the start. Judged at once,
+        # the dev scenarios' rank that runs twice its peers' threads by design was flagged on its op rate
+        # (peer z 51) in the first windows the governor gave the torch ops
+        return np.where(observed & judged, z, 0.0)
 
     def learn(self, rows: np.ndarray, cols: np.ndarray, diff: np.ndarray, scale: np.ndarray,
               observed: np.ndarray, warm: bool, weights: np.ndarray) -> None:
