@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fleetscope.config import Config
+from fleetscope.config import Config, ConfigError
 from fleetscope.producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor
 from fleetscope.producers.tracers.manager import TracerManager
 
@@ -387,3 +387,23 @@ def test_a_target_attached_mid_period_is_charged_its_cpu_and_an_always_on_family
     assert all(s == () for s in sheds), [(d.cpu_s, d.always_cost_s, d.shed) for d in periods]
     measured = [d.always_cost_s / d.cpu_s for d in periods if d.cpu_s > 0]
     assert measured and max(measured) < 0.01, measured    # the family's real share, inside the budget
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
+def test_pythons_function_probes_are_off_unless_configured_and_cost_no_budget():
+    """trace_off: a family named there is never attached and never charged. Python's function probes are in it
+    by default (their cost is not in their hits: config.py); the real python tracer keeps its GC probes."""
+    on = TracerManager(Config(trace=("python",), trace_auto=False, trace_off=()), hit_cost_ns=6000.0)
+    default = TracerManager(Config(trace=("python",), trace_auto=False), hit_cost_ns=6000.0)
+    try:
+        assert "python" in default.tracers, default.unavailable
+        assert ("python", "functions") in on.governor.families
+        assert ("python", "functions") not in default.governor.families
+        assert ("python", "gc") in default.governor.families
+        assert default.tracers["python"].enabled == {"functions": False, "gc": True}
+    finally:
+        on.close()
+        default.close()
+    with pytest.raises(ConfigError, match="trace_off"):
+        Config(trace_off=("python",)).validate()

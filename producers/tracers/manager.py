@@ -66,8 +66,13 @@ class TracerManager:
         self.hit_cost_ns = hit_cost_ns
         self.governor = OverheadGovernor(cfg.trace_budget, hit_cost_ns)
         self.enabled: dict[tuple[str, str], bool] = {}
+        off = set(cfg.trace_off)
         for name, tracer in self.tracers.items():
             for family, kind in _families(tracer).items():
+                if f"{name}.{family}" in off:   # never attached (trace_off), and not charged to the budget
+                    self.enabled[(name, family)] = True
+                    self._set(name, family, False)
+                    continue
                 duty = self.governor.register(name, family, kind)
                 self.enabled[(name, family)] = True
                 if kind == EXPENSIVE and duty < 1:
