@@ -19,7 +19,9 @@ job's own past can. Per job step:
   baseline rate / current rate (1.25: iterations take 25% longer);
 - a change is a step or a drift. A step: the rate is ``z_enter`` robust
   deviations from the healthy history's median, flagged in the window it
-  happens. A drift: river's Page-Hinkley test on the rate relative to the
+  happens; only a fall counts (a job that runs faster is not slowed down,
+  e.g. one recovering after a slow regime was accepted as its normal). A
+  drift: river's Page-Hinkley test on the rate relative to the
   baseline, which accumulates small shifts that no single window shows, and
   flags once the rate is also ``z_exit`` deviations away;
 - while a change lasts the history is frozen (the slowdown is not learned as
@@ -218,10 +220,14 @@ class JobRates:
         st.ph.update(rate / base)
         drift = st.ph.drift_detected
         self.counts["drifts"] += drift
+        # only a fall is a slowdown: a job back at its old rate after a slow regime was accepted as its new
+        # normal (dev scenario dataloader_stall: 30 s at a quarter of the rate, then 19 windows flagged `job`
+        # on every rank as the rate recovered) is not a fault
+        fall = -z
         if st.rate.in_change:
-            flagged = abs(z) >= self.z_exit
+            flagged = fall >= self.z_exit
         else:
-            flagged = abs(z) >= self.z_enter or (drift and abs(z) >= self.z_exit)
+            flagged = fall >= self.z_enter or (drift and fall >= self.z_exit)
         flagged, regime = st.rate.settle(rate, flagged, self.regime_windows)
         if regime:   # the job's new normal: relearn from here
             st.ph = new_page_hinkley(self.ph_threshold)
