@@ -261,11 +261,8 @@ class Scorer:
                                f.features))
                 continue
             s = results[f.index]
-            # the loud failure is the explanation, whatever else the model saw in the window: it outweighs the
-            # model's contributions (a crashed rank's last window, also odd to the model on IRQs and CPU, was
-            # diagnosed irq_locality_miss in the dev scenarios' crash_one_rank)
-            weight = 1.0 + sum(v for v in s.contributions.values() if v > 0)
-            explained[f.index] = {k: weight for k in f.features or (KIND_FEATURE[f.kind],)}
+            if not s.is_anomaly:   # the loud signal alone made it anomalous: it is the explanation
+                explained[f.index] = {k: 1.0 for k in f.features or (KIND_FEATURE[f.kind],)}
             s.is_anomaly = True
             if f.kind not in s.detectors:
                 s.detectors.append(f.kind)

@@ -235,3 +235,14 @@ def test_huge_page_loss_on_a_single_node_job_matches_on_the_ranks_own_faults(kb)
     assert "huge_page_coverage_loss" in [m.entry for m in d.matches]
     healthy = diagnose(anomaly({"proc_minflt_per_s": 90000}, {"proc_minflt_per_s": 6}), kb)   # THP still 0.8
     assert "huge_page_coverage_loss" not in [m.entry for m in healthy.matches]
+
+
+def test_a_crashed_rank_is_diagnosed_crashed_whatever_else_its_last_window_shows(kb):
+    """A crashed rank's last window can be odd to the model too (here: preempted, its IRQs on its CPUs, as
+    crash_one_rank's was). An entry that holds on a loud feature has confidence 1 (diagnosis/matcher.py): the
+    crash was observed; the IRQ entry is inferred (0.66), and before this it beat crashed_rank (0.26)."""
+    features, peer_z = CASES["irq_locality_miss"][0][0]
+    d = diagnose(anomaly({**features, "rank_crashed": 1.0, "process_exit_signal": 9.0}, peer_z), kb)
+    assert [m.entry for m in d.matches][:2] == ["crashed_rank", "irq_locality_miss"]
+    assert d.matches[0].loud and d.matches[0].confidence == 1.0 > d.matches[1].confidence
+    assert not any(m.loud for m in diagnose(anomaly(features, peer_z), kb).matches)

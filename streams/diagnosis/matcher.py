@@ -11,6 +11,15 @@ confidence = 0.5 * rule_part + 0.5 * pattern_part, where
 - pattern_part = max(0, cosine similarity of the window's fingerprint and
                  the entry's fingerprint pattern).
 
+A loud failure is the diagnosis when it is there: an entry that holds on a
+loud feature (a crashed or vanished rank, a stalled collective, new ECC
+errors, an XID) has confidence 1: the failure itself was observed, not
+inferred. So it ranks ahead of every entry that does not, for every reader
+that takes the most confident row (the store keeps no order). A crashed
+rank's last window is often odd to the model too (the dev scenarios'
+crash_one_rank: its IRQs and preemption made irq_locality_miss the top
+entry at 0.49, crashed_rank below it).
+
 An anomaly that no entry accepts is diagnosed as "unmatched" (confidence 0)
 and keeps its evidence: the top attributed features.
 """
@@ -23,6 +32,9 @@ from fleetscope.streams.diagnosis.anomaly import Anomaly
 from fleetscope.streams.diagnosis.attribution import Attribution, attribute
 from fleetscope.streams.diagnosis.fingerprint import similarity
 from fleetscope.streams.diagnosis.kb import UNMATCHED, Entry
+from fleetscope.streams.feature_catalogue import LOUD_FEATURES
+
+LOUD = LOUD_FEATURES | {"gpu_xid_count"}   # the features of the loud failures (streams/model/loud.py, XIDs)
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,7 @@ class Match:
     similarity: float                # fingerprint vs pattern, in [-1, 1]
     held: tuple[str, ...]            # the conditions that held, as text
     evidence: dict[str, float] = field(default_factory=dict)
+    loud: bool = False               # a condition on a loud feature held: confidence 1
 
 
 @dataclass
@@ -66,10 +79,12 @@ def match_entry(entry: Entry, anomaly: Anomaly, attribution: Attribution) -> Mat
     if entry.any_rules and not any_held:
         return None
     held = [c.describe() for c in entry.all_rules] + [c.describe() for c in any_held]
+    loud = any(c.name in LOUD for c in (*entry.all_rules, *any_held))
     rule_part = len(held) / (len(entry.all_rules) + len(entry.any_rules))
     sim = similarity(attribution.fingerprint, entry.fingerprint)
-    confidence = 0.5 * rule_part + 0.5 * max(0.0, sim)
-    return Match(entry.name, round(confidence, 6), round(sim, 6), tuple(held), evidence_of(anomaly, entry.evidence))
+    confidence = 1.0 if loud else 0.5 * rule_part + 0.5 * max(0.0, sim)
+    return Match(entry.name, round(confidence, 6), round(sim, 6), tuple(held), evidence_of(anomaly, entry.evidence),
+                 loud)
 
 
 def diagnose(anomaly: Anomaly, kb: Mapping[str, Entry], min_confidence: float = 0.0,
@@ -78,7 +93,7 @@ def diagnose(anomaly: Anomaly, kb: Mapping[str, Entry], min_confidence: float = 
     attribution = attribution or attribute(anomaly.contributions, anomaly.peer_z)
     matches = [m for entry in kb.values()
                if (m := match_entry(entry, anomaly, attribution)) is not None and m.confidence >= min_confidence]
-    matches.sort(key=lambda m: (-m.confidence, -len(m.held), m.entry))
+    matches.sort(key=lambda m: (not m.loud, -m.confidence, -len(m.held), m.entry))
     return Diagnosis(anomaly, attribution, matches)
 
 

@@ -71,8 +71,10 @@ FEATURE_SUBSYSTEM: tuple[tuple[str, str], ...] = (
     ("torch_comm_waits_per_s", "nccl"),
     ("torch_work_wait_frac", "nccl"),
     ("collective_stalled", "nccl"),
-    # a rank that stopped reporting: its process (the framework's) is gone
+    # a rank that stopped reporting, or whose process crashed: its process (the framework's) is gone
     ("rank_vanished", "framework"),
+    ("rank_crashed", "framework"),
+    ("process_exit_*", "framework"),
     # framework
     ("python_*", "framework"),
     ("torch_*", "framework"),
