@@ -146,7 +146,8 @@ def test_peer_floor_keeps_identical_ranks_quiet():
             x[4] = 80.0
         scores = model.process_window(w, [(r, {"step_rate": v}) for r, v in enumerate(x)])
         if w < 19:
-            assert max(abs(z) for s in scores for z in s.peer_z.values()) < 1.0
+            # (no z at all for a rank's first peer_offset_min_obs windows: its place is being learned)
+            assert max((abs(z) for s in scores for z in s.peer_z.values()), default=0.0) < 1.0
     assert scores[4].peer_z["step_rate"] <= -6 and "peer" in scores[4].detectors
 
 
