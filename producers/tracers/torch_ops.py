@@ -65,7 +65,7 @@ Work::wait per rank (33 probe hits, entry and return), a 16 MB one about 48
 waits; at 6-12 us a hit
 that is well under a millisecond per collective, but on a small CPU DDP job (30 steps a second, two
 collectives a step) it is the whole 1% budget, and more while the peers of a straggler wait (its CPU time
-falls, the hits do not): the scenarios' dataloader stall had the always-on family shed 11 s into its
+falls, the hits do not): the scenarios' dataloader stall had the always-on family shed about 10 s into its
 fault, and with it the marks below, so the ranks' roles fell back to "every rank alike". So the waits
 are duty-cycled like the ops (rows carry the family's sample_frac; windows scale them), and only the
 marks stay always on. Rows per pid and kind (device "recv", "send",

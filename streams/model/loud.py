@@ -59,11 +59,12 @@ from collections import Counter
 from typing import Mapping, Sequence
 
 from fleetscope.streams.exit_features import ABNORMAL, SIGNAL
+from fleetscope.streams.model.job_rate import RATE_FEATURES
 from fleetscope.streams.model.roles import CULPRIT, JOB, WAITING
 from fleetscope.streams.stack_signature import FEATURE as FRAME_FEATURE
 
-CALL_RATES = ("nccl_calls_per_s", "torch_collectives_per_s", "torch_comm_waits_per_s")
-GLOO_RATES = ("torch_collectives_per_s", "torch_comm_waits_per_s")
+CALL_RATES = RATE_FEATURES   # the job's collective rate features (job_rate.py): NCCL's, then gloo's
+GLOO_RATES = tuple(name for name in CALL_RATES if name.startswith("torch_"))
 ECC_COUNTS = ("gpu_ecc_uncorrected", "gpu_row_remap_pending")
 KIND_FEATURE = {"xid": "gpu_xid_count", "ecc": "gpu_ecc_new_errors", "vanished": "rank_vanished",
                 "hung": "collective_stalled", "crashed": "rank_crashed"}
