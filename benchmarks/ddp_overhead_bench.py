@@ -48,7 +48,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from pipeline_bench import CLK_TCK, ProcProbe, code_state, machine_busy  # noqa: E402
+from pipeline.probes import CLK_TCK, ProcProbe, code_state, machine_busy  # noqa: E402
 from fleetscope.eval.workloads.launch import DEBIAN_PYTHON, launch, venv_site_packages  # noqa: E402
 from fleetscope.broker import EmbeddedBroker, die_with_parent  # noqa: E402
 from fleetscope.config import Config  # noqa: E402
