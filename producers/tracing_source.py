@@ -18,9 +18,13 @@ log = logging.getLogger(__name__)
 
 def start_manager(cfg, resolver):
     """A started TracerManager for cfg.trace, or None (with the reason logged) when no tracer can run."""
+    from fleetscope.config import ConfigError
     from fleetscope.producers.tracers.manager import TracerManager
     try:
         manager = TracerManager(cfg, resolver=resolver)
+    except ConfigError as e:  # a setting only the loaded tracers can check (trace_off's family names)
+        log.error("eBPF tracing is off: configuration error: %s", e)
+        return None
     except Exception:  # tracing is an add-on: the agent keeps sampling without it
         log.exception("eBPF tracing is off: the tracer manager failed to start")
         return None

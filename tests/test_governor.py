@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from fleetscope.config import Config, ConfigError
-from fleetscope.producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor
+from fleetscope.producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, budget_base_s
 from fleetscope.producers.tracers.manager import TracerManager
 
 
@@ -17,14 +17,14 @@ def test_always_on_cost_comes_off_the_top_and_the_rest_steers_the_expensive_duty
     g.register("cuda", "launch", EXPENSIVE)
     g.register("cuda", "memory", ALWAYS)
     # CPU 2 s -> budget 20 ms; memory took 100 hits (0.5 ms); launches took 7800 hits (39 ms)
-    d = g.update({("cuda", "launch"): 7800, ("cuda", "memory"): 100}, cpu_s=2.0, period_s=1.0)
+    d = g.update({("cuda", "launch"): 7800, ("cuda", "memory"): 100}, base_s=2.0, period_s=1.0)
     assert d.budget_s == pytest.approx(0.02)
     assert d.always_cost_s == pytest.approx(100 * 5e-6)
     assert d.spent_s == pytest.approx(0.0395)
     # overspent 2x: the bucket is in debt, so launches sit the next period out...
     assert d.duties[("cuda", "launch")] == 0.0
     # ...and come back at the duty their cost affords: 0.2 * 19.5 ms / 39 ms
-    d = g.update({("cuda", "launch"): 7800, ("cuda", "memory"): 100}, cpu_s=2.0, period_s=1.0)
+    d = g.update({("cuda", "launch"): 7800, ("cuda", "memory"): 100}, base_s=2.0, period_s=1.0)
     assert d.duties[("cuda", "launch")] == pytest.approx(0.1)
     assert g.families[("cuda", "memory")].duty == 1.0  # always-on families are never cycled
 
@@ -33,10 +33,10 @@ def test_duty_grows_at_most_twofold_and_never_below_the_floor():
     g = OverheadGovernor(budget_frac=0.01, hit_cost_ns=6000, min_duty=0.005, first_duty=0.02)
     g.register("py", "functions", EXPENSIVE)
     g.register("torch", "ops", EXPENSIVE)
-    d = g.update({("py", "functions"): 1, ("torch", "ops"): 0}, cpu_s=1.0, period_s=1.0)
+    d = g.update({("py", "functions"): 1, ("torch", "ops"): 0}, base_s=1.0, period_s=1.0)
     assert d.duties[("py", "functions")] == pytest.approx(0.04)  # nearly free: doubles, no more
     assert d.duties[("torch", "ops")] == pytest.approx(0.04)
-    d = g.update({("py", "functions"): 2, ("torch", "ops"): 0}, cpu_s=1.0, period_s=1.0)
+    d = g.update({("py", "functions"): 2, ("torch", "ops"): 0}, base_s=1.0, period_s=1.0)
     assert d.duties[("py", "functions")] == pytest.approx(0.08)
 
 
@@ -49,7 +49,7 @@ def test_long_run_cost_stays_inside_the_budget_for_a_hot_family():
         duty = g.families[("torch", "ops")].duty
         on_s = duty + 0.05 if duty > 0 else 0.0  # attach/detach latency: 50 ms more than planned
         total_hits += int(on_s * 150_000)  # 150 kHz while attached
-        d = g.update({("torch", "ops"): total_hits}, cpu_s=1.0, period_s=1.0)
+        d = g.update({("torch", "ops"): total_hits}, base_s=1.0, period_s=1.0)
         spent += d.spent_s
         budget += d.budget_s
     assert spent <= 1.05 * budget + 0.05  # within the budget, plus at most the first slices' savings cap
@@ -208,23 +208,23 @@ def test_always_on_families_alone_over_budget_shed_the_most_expensive_and_retry_
     g.register("torch", "ops", EXPENSIVE)
     # CPU 1 s -> budget 10 ms; memory took 4000 hits (20 ms, 2%), collectives 100 hits (0.5 ms)
     hits = {("cuda", "memory"): 4000, ("nccl", "collectives"): 100, ("torch", "ops"): 0}
-    d = g.update(hits, cpu_s=1.0, period_s=1.0)
+    d = g.update(hits, base_s=1.0, period_s=1.0)
     assert d.shed == ()       # one period over budget is a burst, not yet an overrun (shed_after=2)
     hits = {("cuda", "memory"): 8000, ("nccl", "collectives"): 200, ("torch", "ops"): 0}
-    d = g.update(hits, cpu_s=1.0, period_s=1.0)
+    d = g.update(hits, base_s=1.0, period_s=1.0)
     assert d.shed == (("cuda", "memory"),)
     assert d.duties[("cuda", "memory")] == 0.0 and d.duties[("nccl", "collectives")] == 1.0
     # the expensive family gets what the kept always-on family leaves: 10 - 0.5 ms
     assert g.families[("torch", "ops")].bucket_s == pytest.approx(0.0095)
     for _ in range(2):  # detached: no new memory hits; it stays shed until its retry
         hits[("nccl", "collectives")] += 100
-        d = g.update(hits, cpu_s=1.0, period_s=1.0)
+        d = g.update(hits, base_s=1.0, period_s=1.0)
         assert d.shed == (("cuda", "memory"),)
     hits[("nccl", "collectives")] += 100
-    d = g.update(hits, cpu_s=1.0, period_s=1.0)
+    d = g.update(hits, base_s=1.0, period_s=1.0)
     assert d.shed == () and d.duties[("cuda", "memory")] == 1.0  # retried: attached for a period
     hits[("cuda", "memory")] += 100  # now cheap (0.05%): it stays
-    d = g.update(hits, cpu_s=1.0, period_s=1.0)
+    d = g.update(hits, base_s=1.0, period_s=1.0)
     assert d.shed == () and d.duties[("cuda", "memory")] == 1.0
 
 
@@ -233,9 +233,66 @@ def test_always_on_families_inside_budget_are_never_shed():
     g.register("cuda", "memory", ALWAYS)
     g.register("nccl", "collectives", ALWAYS)
     for i in range(1, 20):
-        d = g.update({("cuda", "memory"): 900 * i, ("nccl", "collectives"): 900 * i}, cpu_s=1.0, period_s=1.0)
+        d = g.update({("cuda", "memory"): 900 * i, ("nccl", "collectives"): 900 * i}, base_s=1.0, period_s=1.0)
         assert d.shed == () and set(d.duties.values()) == {1.0}  # 2 x 0.45% fits 1%
 
+
+
+def test_the_budget_base_is_wall_time_for_processes_that_wait_while_the_host_has_idle_cpu():
+    """A hit delays a process by its cost whether it ran or waited: three GPU-stand-in ranks at 4% of a core
+    each are judged against 3 s of wall time a second, not 0.12 s of CPU, while the host can absorb it."""
+    assert budget_base_s(cpu_s=0.12, active_processes=3, period_s=1.0, host_idle_s=1.8) == pytest.approx(1.92)
+    assert budget_base_s(cpu_s=0.12, active_processes=3, period_s=1.0, host_idle_s=5.0) == pytest.approx(3.0)
+    # every CPU busy (a CPU job on a full host, or the loaded CI): a probe's work is the job's CPU time
+    assert budget_base_s(cpu_s=1.95, active_processes=3, period_s=1.0, host_idle_s=0.0) == 1.95
+    # more CPU than wall (threads in parallel): CPU time, as before
+    assert budget_base_s(cpu_s=4.0, active_processes=1, period_s=1.0, host_idle_s=10.0) == 4.0
+
+
+def test_an_always_on_family_of_waiting_processes_is_not_shed_when_its_fault_cuts_their_cpu():
+    """The dev scenario memcpy_stall: the stand-in ranks' copy probes cost 1.7x the budget of their CPU time,
+    and the stalled rank's CPU fell further, so the family that saw the stall was shed 12 s into it. Judged
+    against the ranks' wall time it costs a small share, and stays."""
+    hits_per_s = 330   # 3 ranks' copies and allocations: 2 ms of probe time a second at 6 us per hit
+    for base, shed in ((budget_base_s(0.12, 3, 1.0, 1.8), False), (0.12, True)):
+        g = OverheadGovernor(budget_frac=0.01, hit_cost_ns=6000)
+        g.register("cuda", "memory", ALWAYS)
+        for i in range(1, 6):
+            d = g.update({("cuda", "memory"): hits_per_s * i}, base_s=base, period_s=1.0)
+        assert (d.shed == (("cuda", "memory"),)) is shed, (base, d)
+
+
+def test_the_managers_base_counts_the_wall_time_of_processes_that_ran_and_not_of_idle_ones(monkeypatch):
+    """Real processes: one runs about a fifth of the time, one only sleeps (as torchrun's launcher does).
+    With idle CPU on the host (given: the suite runs beside busy loops) the base is one period of wall time
+    (the sleeper lends it none); with none it is the processes' CPU time."""
+    import time
+
+    from fleetscope.producers.tracers import manager as manager_module
+
+    duty = "import time\nwhile True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.02: pass\n" \
+           "    time.sleep(0.08)\n"
+    children = [subprocess.Popen([sys.executable, "-c", duty]), subprocess.Popen(["sleep", "60"])]
+    try:
+        idle = iter([0.0, 0.0, 100.0, 100.0])   # cumulative idle seconds: at start, then after each period
+        monkeypatch.setattr(manager_module, "host_idle_seconds", lambda: next(idle))
+        manager = TracerManager(Config(trace_auto=False), tracers={}, hit_cost_ns=6000.0)
+        manager.attached = {"libc": {c.pid for c in children}}
+        manager._budget_base_s(1.0)   # the first call only takes the processes' CPU counters
+        time.sleep(1.0)
+        cpu_before = dict(manager._cpu_prev)
+        base = manager._budget_base_s(1.0)
+        cpu = sum(manager._cpu_prev[p] - cpu_before[p] for p in cpu_before)
+        assert 0 < cpu < 0.5 and base == pytest.approx(1.0), (cpu, base)
+        time.sleep(1.0)
+        cpu_before = dict(manager._cpu_prev)
+        base = manager._budget_base_s(1.0)   # the host had no idle time this period
+        cpu = sum(manager._cpu_prev[p] - cpu_before[p] for p in cpu_before)
+        assert base == pytest.approx(cpu), (cpu, base)
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root (CI runs as root)")
@@ -294,17 +351,17 @@ def test_a_burst_of_always_on_hits_sheds_nothing_and_a_retried_overrun_is_shed_a
     total = 0
     for burst in (4000, 100, 100, 4000, 100):   # 2% then 0.05%: bursts never two periods in a row
         total += burst
-        d = g.update({("torch", "collectives"): total}, cpu_s=1.0, period_s=1.0)
+        d = g.update({("torch", "collectives"): total}, base_s=1.0, period_s=1.0)
         assert d.shed == (), (burst, d)
     for _ in range(2):
         total += 4000
-        d = g.update({("torch", "collectives"): total}, cpu_s=1.0, period_s=1.0)
+        d = g.update({("torch", "collectives"): total}, base_s=1.0, period_s=1.0)
     assert d.shed == (("torch", "collectives"),)
     for _ in range(2):   # shed: no hits; then retried
-        d = g.update({("torch", "collectives"): total}, cpu_s=1.0, period_s=1.0)
+        d = g.update({("torch", "collectives"): total}, base_s=1.0, period_s=1.0)
     assert d.shed == () and d.duties[("torch", "collectives")] == 1.0
     total += 4000        # still 2% in its retry period: shed again, no second proof needed
-    d = g.update({("torch", "collectives"): total}, cpu_s=1.0, period_s=1.0)
+    d = g.update({("torch", "collectives"): total}, base_s=1.0, period_s=1.0)
     assert d.shed == (("torch", "collectives"),)
 
 
@@ -384,8 +441,8 @@ def test_a_target_attached_mid_period_is_charged_its_cpu_and_an_always_on_family
             c.kill()
             c.wait()
     assert tracer.hits()["getppid"] > 100            # the probe really fired
-    assert all(s == () for s in sheds), [(d.cpu_s, d.always_cost_s, d.shed) for d in periods]
-    measured = [d.always_cost_s / d.cpu_s for d in periods if d.cpu_s > 0]
+    assert all(s == () for s in sheds), [(d.base_s, d.always_cost_s, d.shed) for d in periods]
+    measured = [d.always_cost_s / d.base_s for d in periods if d.base_s > 0]
     assert measured and max(measured) < 0.01, measured    # the family's real share, inside the budget
 
 
@@ -407,3 +464,9 @@ def test_pythons_function_probes_are_off_unless_configured_and_cost_no_budget():
         default.close()
     with pytest.raises(ConfigError, match="trace_off"):
         Config(trace_off=("python",)).validate()
+    with pytest.raises(ConfigError, match="names no tracer"):
+        Config(trace_off=("pyhton.functions",)).validate()
+    # a family the real tracer does not have: a clear error at start, not a probe silently left on
+    with pytest.raises(ConfigError, match="no probe family 'function'.*'functions'"):
+        TracerManager(Config(trace=("python",), trace_auto=False, trace_off=("python.function",)),
+                      hit_cost_ns=6000.0)

@@ -1,23 +1,24 @@
-"""The overhead governor: keeps probe hits inside a CPU budget of the traced processes.
+"""The overhead governor: keeps probe hits inside a budget of the traced processes' time.
 
 Every uprobe hit stops the traced thread for a few microseconds (about 5–6 µs
 on our VMs, measured by `calibrate.py`), whatever the BPF program does. A
 family that fires often — kernel launches, Python functions, torch ops —
 would slow the job it watches by whole multiples. So each period the governor:
 
-1. measures the traced processes' CPU time over the last period;
+1. measures the budget's base over the last period: the traced processes' CPU
+   time, or their wall time while they mostly wait (see below);
 2. charges the always-on families (collectives, memcpy, malloc/free, sync,
    GC) their hits × the per-hit cost. They stay on while they fit the budget
    together. When they alone exceed it for `shed_after` periods in a row
    (a sustained overrun, not a burst such as a process's start-up), the
    most expensive of them are shed (detached) until the rest fit: each family's cost is kept as a share of
-   the traced CPU time, measured while it was attached, and families are
+   the budget's base, measured while it was attached, and families are
    shed from the largest share down. A shed family is retried (attached for
    one period, re-measured) every `shed_periods` periods, so a burst does
    not switch it off for good; meanwhile it comes back as soon as the
    others' shares leave room for its own. The decision lists shed families
    (`shed`), the manager reports them in the agent's stats;
-3. gives what is left of `budget × CPU time` to the expensive families in
+3. gives what is left of `budget × base` to the expensive families in
    equal shares, as tokens in a bucket per family; each period the bucket is
    charged the hits the family actually took × the per-hit cost. A family
    whose bucket is empty stays detached for the period; otherwise its duty
@@ -32,9 +33,24 @@ so downstream rates scale honestly.
 
 The budget is checked against the traced processes taken together; the
 tracers count hits per family, not per process.
+
+What the budget is a share of (`base_s`): the traced processes' CPU time, or
+their wall time when that is larger and the host has the idle CPU to absorb
+the probes' work. A hit stalls one thread for its cost, so it delays a
+process by at most that cost, whether the process was running or waiting
+(on a GPU, on its peers): a process that mostly waits is slowed by hits ×
+cost / wall time, not / its CPU time. Judged by CPU time alone, a job whose
+host threads wait on the GPU looked many times over budget (the GPU
+stand-in's ranks use 4% of a core each: their always-on CUDA memory probes
+measured 1.7x the budget), and a rank that stalled on a fault used even less
+CPU, so the family that saw the fault was shed at its onset (the dev
+scenario memcpy_stall lost its copy timings 12 s into the fault). When the
+host's CPUs are all busy, a probe's work takes CPU time from the job itself,
+and the base stays the CPU time (see `budget_base_s`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from fleetscope.producers.process_sampler import Vanished, parse_stat, read_file
@@ -50,14 +66,21 @@ class FamilyState:
     last_hits: int = 0
     bucket_s: float = 0.0  # probe-cost seconds it may still spend
     on_s: float = 0.0  # attached time in the period being measured (reported, not used for control)
-    cost_frac: float = 0.0  # always-on: its cost per traced CPU second, last measured while attached
+    cost_frac: float = 0.0  # always-on: its cost per second of the budget's base, last measured while attached
     shed_for: int = 0  # always-on: periods it has been shed (0: attached)
     retrying: bool = False  # always-on: attached again after a shed, its overrun already proven
 
 
+def budget_base_s(cpu_s: float, active_processes: int, period_s: float, host_idle_s: float) -> float:
+    """The time the budget is a share of: the traced processes' CPU time, or their wall time (one timeline
+    per process that ran in the period), as far as the host's idle CPU time can absorb the difference."""
+    wall_s = max(active_processes, 0) * max(period_s, 0.0)
+    return max(cpu_s, min(wall_s, cpu_s + max(host_idle_s, 0.0)))
+
+
 @dataclass
 class GovernorDecision:
-    cpu_s: float
+    base_s: float  # the budget's base (budget_base_s): CPU time, or wall time for processes that mostly wait
     budget_s: float
     always_cost_s: float
     duties: dict = field(default_factory=dict)  # (tracer, family) -> duty in {0} ∪ [min_duty, 1]
@@ -94,8 +117,9 @@ class OverheadGovernor:
     def record_on_time(self, key: tuple[str, str], seconds: float) -> None:
         self.families[key].on_s += seconds
 
-    def update(self, hits: dict[tuple[str, str], int], cpu_s: float, period_s: float) -> GovernorDecision:
-        """New duties from the period just ended: cumulative hits per family and the targets' CPU seconds."""
+    def update(self, hits: dict[tuple[str, str], int], base_s: float, period_s: float) -> GovernorDecision:
+        """New duties from the period just ended: cumulative hits per family and the budget's base in seconds
+        (budget_base_s: the targets' CPU time, or their wall time while they mostly wait)."""
         costs: dict[tuple[str, str], float] = {}
         for key, state in self.families.items():
             total = int(hits.get(key, state.last_hits))
@@ -103,10 +127,10 @@ class OverheadGovernor:
             state.last_hits = total
             state.on_s = 0.0
         always_cost = sum(c for k, c in costs.items() if self.families[k].kind == ALWAYS)
-        budget = self.budget_frac * max(cpu_s, 0.0)
-        decision = GovernorDecision(cpu_s=cpu_s, budget_s=budget, always_cost_s=always_cost,
+        budget = self.budget_frac * max(base_s, 0.0)
+        decision = GovernorDecision(base_s=base_s, budget_s=budget, always_cost_s=always_cost,
                                     spent_s=sum(costs.values()))
-        kept_cost = self._shed_always(costs, cpu_s, decision)
+        kept_cost = self._shed_always(costs, base_s, decision)
         expensive = [(k, st) for k, st in self.families.items() if st.kind == EXPENSIVE]
         share = max(budget - kept_cost, 0.0) / len(expensive) if expensive else 0.0
         for key, state in expensive:
@@ -119,16 +143,16 @@ class OverheadGovernor:
             decision.duties[key] = state.duty
         return decision
 
-    def _shed_always(self, costs: dict, cpu_s: float, decision: GovernorDecision) -> float:
+    def _shed_always(self, costs: dict, base_s: float, decision: GovernorDecision) -> float:
         """Duties of the always-on families (1, or 0 when shed); returns the cost the attached ones are
-        expected to take of the coming period (their last measured shares of this period's CPU time)."""
+        expected to take of the coming period (their last measured shares of this period's base)."""
         always = {k: st for k, st in self.families.items() if st.kind == ALWAYS}
         measured = [k for k, st in always.items() if st.shed_for == 0]
         for key in measured:
-            if cpu_s > 0:  # attached the whole period: a fresh measurement
-                always[key].cost_frac = costs[key] / cpu_s
-        if cpu_s > 0:
-            over = sum(costs[k] for k in measured) > self.budget_frac * cpu_s
+            if base_s > 0:  # attached the whole period: a fresh measurement
+                always[key].cost_frac = costs[key] / base_s
+        if base_s > 0:
+            over = sum(costs[k] for k in measured) > self.budget_frac * base_s
             self.over_periods = self.over_periods + 1 if over else 0
         sustained = self.over_periods >= self.shed_after
         retried = {k for k, st in always.items() if st.shed_for >= self.shed_periods}  # attached to re-measure
@@ -151,7 +175,7 @@ class OverheadGovernor:
             st.duty = 1.0 if key in kept else 0.0
             decision.duties[key] = st.duty
         decision.shed = tuple(sorted(k for k in always if k not in kept))
-        return sum(always[k].cost_frac for k in kept) * max(cpu_s, 0.0)
+        return sum(always[k].cost_frac for k in kept) * max(base_s, 0.0)
 
 
 def process_cpu_seconds(pids) -> float:
@@ -163,3 +187,17 @@ def process_cpu_seconds(pids) -> float:
         except (OSError, Vanished):
             continue
     return total_ns / 1e9
+
+
+_SECONDS_PER_TICK = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def host_idle_seconds(path: str = "/proc/stat") -> float | None:
+    """The host's idle CPU time so far (idle + iowait of all CPUs, /proc/stat's first line), in seconds;
+    None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            fields = f.readline().split()
+        return (int(fields[4]) + int(fields[5])) * _SECONDS_PER_TICK
+    except (OSError, ValueError, IndexError):
+        return None

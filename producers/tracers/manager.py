@@ -31,14 +31,20 @@ import logging
 import threading
 import time
 
+from fleetscope.config import ConfigError
 from fleetscope.producers.tracers.discovery import ProcessWatcher, TargetSpec, library_stamp
-from fleetscope.producers.tracers.governor import ALWAYS, EXPENSIVE, OverheadGovernor, process_cpu_seconds
+from fleetscope.producers.tracers.governor import (ALWAYS, EXPENSIVE, OverheadGovernor, budget_base_s,
+                                                   host_idle_seconds, process_cpu_seconds)
 from fleetscope.producers.tracers.kernel import TracerUnavailable
 from fleetscope.producers.tracers.registry import load_tracer
 
 log = logging.getLogger(__name__)
 FAILED = object()  # what _call returns when the call raised
 ATTACH_RETRIES = 4  # a raised attach is tried again this many times, after 1, 2, 4, 8 polls
+# A traced process that used at least this share of a core in a period ran in it: its wall time counts in
+# the budget's base (governor.budget_base_s). Below it, an idle helper (torchrun's launcher) that takes no
+# hits would lend its wall time to the others' probes.
+ACTIVE_CPU_FRAC = 0.01
 
 
 class TracerManager:
@@ -67,6 +73,12 @@ class TracerManager:
         self.governor = OverheadGovernor(cfg.trace_budget, hit_cost_ns)
         self.enabled: dict[tuple[str, str], bool] = {}
         off = set(cfg.trace_off)
+        try:
+            _check_trace_off(off, self.tracers)
+        except ConfigError:
+            for tracer in self.tracers.values():   # the tracers loaded so far hold BPF programs
+                tracer.close()
+            raise
         for name, tracer in self.tracers.items():
             for family, kind in _families(tracer).items():
                 if f"{name}.{family}" in off:   # never attached (trace_off), and not charged to the budget
@@ -91,6 +103,7 @@ class TracerManager:
         self.last_decision = None
         self.errors = 0
         self._cpu_prev: dict[int, float] = {}
+        self._idle_prev: float | None = host_idle_seconds()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_poll = time.monotonic()
@@ -188,12 +201,18 @@ class TracerManager:
         self._call(name, self.tracers[name].set_family_enabled, family, on)
         self.enabled[(name, family)] = on
 
-    def _targets_cpu_s(self) -> float:
+    def _budget_base_s(self, period_s: float) -> float:
+        """The governor's base for the period just ended: the targets' CPU time, or their wall time while
+        they mostly wait and the host has idle CPU (governor.budget_base_s)."""
         pids = set().union(*self.attached.values()) if self.attached else set()
         now = {pid: process_cpu_seconds([pid]) for pid in pids}
-        used = sum(max(v - self._cpu_prev.get(pid, v), 0.0) for pid, v in now.items())
+        used = {pid: max(v - self._cpu_prev.get(pid, v), 0.0) for pid, v in now.items()}
         self._cpu_prev = now
-        return used
+        idle = host_idle_seconds()
+        idle_s = 0.0 if idle is None or self._idle_prev is None else idle - self._idle_prev
+        self._idle_prev = idle
+        active = sum(1 for u in used.values() if u >= ACTIVE_CPU_FRAC * period_s)
+        return budget_base_s(sum(used.values()), active, period_s, idle_s)
 
     def run_period(self, period_s: float) -> None:
         """One duty-cycle period: decide, attach, detach on time, account on-time."""
@@ -204,10 +223,10 @@ class TracerManager:
                     for family, n in tracer.hits().items():
                         hits[(name, family)] = n
         before = set(self.last_decision.shed) if self.last_decision is not None else set()
-        self.last_decision = decision = self.governor.update(hits, self._targets_cpu_s(), period_s)
+        self.last_decision = decision = self.governor.update(hits, self._budget_base_s(period_s), period_s)
         for name, family in sorted(set(decision.shed) - before):
             log.warning("always-on family %s.%s shed: the always-on probes alone cost more than trace_budget=%g "
-                        "of the traced CPU time; it is retried every %d periods", name, family,
+                        "of the traced processes' time; it is retried every %d periods", name, family,
                         self.cfg.trace_budget, self.governor.shed_periods)
         start = time.monotonic()
         attached_at = {}
@@ -329,3 +348,14 @@ class TracerManager:
 def _families(tracer) -> dict[str, str]:
     fams = tracer.families() if hasattr(tracer, "families") else {}
     return {f: (k if k in (EXPENSIVE, ALWAYS) else ALWAYS) for f, k in fams.items()}
+
+
+def _check_trace_off(off: set[str], tracers: dict) -> None:
+    """A trace_off entry naming a family its (loaded) tracer does not have is a clear error, not a probe left
+    on: a misspelt name would otherwise attach what the operator meant to keep off."""
+    for item in sorted(off):
+        name, _, family = item.partition(".")
+        if name in tracers and family not in _families(tracers[name]):
+            raise ConfigError(f"trace_off: the {name} tracer has no probe family {family!r}; "
+                              f"it has {sorted(_families(tracers[name]))}")
+

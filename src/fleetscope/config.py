@@ -148,7 +148,8 @@ class Config:
     trace_poll_s: float = 1.0  # how often /proc is scanned for new and ended targets
     # Overhead governor: expensive probe families (kernel launches, Python
     # functions, torch ops) are duty-cycled so that probe hits cost at most
-    # trace_budget of the traced processes' CPU time.
+    # trace_budget of the traced processes' time: their CPU time, or their wall time while they mostly wait
+    # (on a GPU, on peers) and the host has idle CPU (producers/tracers/governor.py: budget_base_s).
     trace_budget: float = 0.01
     # Attaching and detaching probes costs the traced process too (measured: toggling torch's op
     # probes every second cost far more than their hits), so periods are long: 1–2% on of 30 s.
@@ -199,6 +200,8 @@ class Config:
             tracer, _, family = item.partition(".")
             if not tracer or not family:
                 raise ConfigError(f"trace_off: {item!r} is not <tracer>.<family> (e.g. python.functions)")
+            if tracer not in TRACE_FAMILIES:   # its families are checked when the tracer loads (tracers/manager.py)
+                raise ConfigError(f"trace_off: {item!r} names no tracer; known: {list(TRACE_FAMILIES)}")
         if not 0 < self.trace_budget <= 0.5:
             raise ConfigError(f"trace_budget={self.trace_budget}: must lie in (0, 0.5] (a fraction of CPU time)")
         if not 0.1 <= self.proc_interval_s <= 60:
