@@ -72,8 +72,9 @@ LOUD_FEATURES = frozenset(("rank_vanished", "rank_crashed", "collective_stalled"
 # its own history (job_ofu_ratio).
 JOB_GPU_FEATURES = frozenset(("job_gpu_ofu", "job_gpu_tensor_util"))
 # Computed at the join from the rank's window and its node's (streams/rank_context.py, irq_features.py):
-# the rank's CPUs' share of the node's device interrupts; peer z'd like JOINED_FEATURES.
-RANK_JOIN_FEATURES = frozenset(("irq_rank_cpu_share",))
+# the rank's CPUs' share of the node's device interrupts, and their time in interrupt work; peer z'd like
+# JOINED_FEATURES.
+RANK_JOIN_FEATURES = frozenset(("irq_rank_cpu_share", "irq_time_rank_cpu_frac"))
 # Ids, not quantities (streams/stack_signature.py): compared for equality by the loud checks, never scored
 # by a model nor peer z'd (stack_signature.model_input leaves them out of the model's vector).
 CATEGORICAL_FEATURES = frozenset(("python_top_frame_id",))

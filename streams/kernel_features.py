@@ -6,6 +6,7 @@ the deltas cover, so a multi-threaded process can exceed 1: it reads as
 """
 from __future__ import annotations
 
+from fleetscope.streams.irq_features import irq_max_cpu_share, node_irqs_per_cpu
 from fleetscope.streams.windows import Window
 
 
@@ -30,17 +31,7 @@ def kernel_features(w: Window) -> dict[str, float]:
         rate = _rate(w, metric)
         if rate is not None:
             out[name] = rate * scale
-    share = irq_max_cpu_share(w)
+    share = irq_max_cpu_share(node_irqs_per_cpu(w))   # the quiet CPUs count: the host rows name them
     if share is not None:
         out["irq_max_cpu_share"] = share
     return out
-
-
-def irq_max_cpu_share(w: Window) -> float | None:
-    """The busiest CPU's share of the hard IRQs the kernel tracer counted per CPU (devices cpu<N>, on
-    the node's window): near 1 when one CPU takes the node's interrupts, 1/ncpu when they are spread.
-    This is the node's; the share on a rank's own CPUs is irq_rank_cpu_share (streams/irq_features.py)."""
-    counts = [a.delta_sum for a in w.devices("kernel", "kernel.irq_count")
-              if a.interval_ns > 0 and a.device.startswith("cpu")]
-    total = sum(counts)
-    return max(counts) / total if len(counts) > 1 and total > 0 else None

@@ -8,7 +8,8 @@ device label of its NVML process rows (``gpu<N>``); when it is known, the
 node-wide GPU features are replaced by that GPU's, so an Xid on GPU 0 is not
 blamed on the rank of GPU 1. A node with one GPU needs no label. The node's
 interrupts per CPU are kept too, and each rank gets the share that landed on
-the CPUs it ran on (``irq_rank_cpu_share``, streams/irq_features.py).
+the CPUs it ran on (``irq_rank_cpu_share``, streams/irq_features.py), and the
+share of those CPUs' time that went to interrupt work (``irq_time_rank_cpu_frac``).
 
 The joined features are not model inputs (host features in the model flagged
 whole jobs whenever a host got busy); their peer z-scores across the job's
@@ -23,7 +24,8 @@ from typing import Mapping, Sequence
 
 from fleetscope.streams.feature_catalogue import JOINED_FEATURES, RANK_JOIN_FEATURES
 from fleetscope.streams.gpu_features import DEVICE_GAUGES, FAULT_FEATURES, gpu_device_features
-from fleetscope.streams.irq_features import irq_max_cpu_share, irq_rank_cpu_share, node_irqs_per_cpu, rank_cpus
+from fleetscope.streams.irq_features import (irq_max_cpu_share, irq_rank_cpu_share, irq_time_rank_cpu_frac,
+                                             node_irq_time_per_cpu, node_irqs_per_cpu, rank_cpus)
 from fleetscope.streams.windows import Window
 
 NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
@@ -52,6 +54,7 @@ class RankContext:
         self.node: OrderedDict[tuple[str, int], dict] = OrderedDict()
         self.gpus: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
         self.irqs: dict[tuple[str, int], dict[int, float]] = {}
+        self.irq_time: dict[tuple[str, int], dict[int, float]] = {}
         self.misses = 0
 
     def remember(self, w: Window, vector: dict) -> None:
@@ -59,10 +62,12 @@ class RankContext:
         self.node[key] = vector
         self.gpus[key] = gpu_device_features(w)
         self.irqs[key] = node_irqs_per_cpu(w)
+        self.irq_time[key] = node_irq_time_per_cpu(w)
         while len(self.node) > self.capacity:
             old, _ = self.node.popitem(last=False)
             self.gpus.pop(old, None)
             self.irqs.pop(old, None)
+            self.irq_time.pop(old, None)
 
     def joined(self, w: Window) -> dict[str, float] | None:
         """The node's features with the rank's own GPU's in place of the node-wide ones; None when the
@@ -89,13 +94,17 @@ class RankContext:
 
 
     def _irq_shares(self, key: tuple[str, int], w: Window) -> dict[str, float]:
-        """The rank's CPUs' share of the node's interrupts; the busiest CPU's share from the host rows
-        when the kernel tracer (which gives it on the node's window) does not run."""
+        """The rank's CPUs' share of the node's interrupts and their interrupt time; the busiest CPU's share
+        from the host rows when the kernel tracer (which gives it on the node's window) does not run."""
         irqs = self.irqs.get(key, {})
         out = {}
-        share = irq_rank_cpu_share(irqs, rank_cpus(w))
+        cpus = rank_cpus(w)
+        share = irq_rank_cpu_share(irqs, cpus)
         if share is not None:
             out["irq_rank_cpu_share"] = share
+        frac = irq_time_rank_cpu_frac(self.irq_time.get(key, {}), cpus)
+        if frac is not None:
+            out["irq_time_rank_cpu_frac"] = frac
         if "irq_max_cpu_share" not in self.node[key]:
             busiest = irq_max_cpu_share(irqs)
             if busiest is not None:

@@ -194,7 +194,7 @@ def test_a_tracer_that_compiles_per_process_attaches_after_the_quick_ones():
     class Compiling(Recording):
         SLOW_ATTACH = True
 
-    cfg = Config(trace_pids=("1",), trace_auto=False)
+    cfg = Config(trace_pids=("1",), trace_auto=False, trace_off=())   # the stand-ins have no probe families
     m = TracerManager(cfg, tracers={"python": Compiling("python"), "torch": Recording("torch"),
                                     "cuda": Recording("cuda")}, hit_cost_ns=6000.0)
     m.poll_targets()

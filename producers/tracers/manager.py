@@ -77,7 +77,8 @@ class TracerManager:
             _check_trace_off(off, self.tracers)
         except ConfigError:
             for tracer in self.tracers.values():   # the tracers loaded so far hold BPF programs
-                tracer.close()
+                if hasattr(tracer, "close"):
+                    tracer.close()
             raise
         for name, tracer in self.tracers.items():
             for family, kind in _families(tracer).items():
@@ -355,7 +356,7 @@ def _check_trace_off(off: set[str], tracers: dict) -> None:
     on: a misspelt name would otherwise attach what the operator meant to keep off."""
     for item in sorted(off):
         name, _, family = item.partition(".")
-        if name in tracers and family not in _families(tracers[name]):
+        if name in tracers and hasattr(tracers[name], "families") and family not in _families(tracers[name]):
             raise ConfigError(f"trace_off: the {name} tracer has no probe family {family!r}; "
                               f"it has {sorted(_families(tracers[name]))}")
 
