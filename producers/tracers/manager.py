@@ -202,9 +202,9 @@ class TracerManager:
         self._call(name, self.tracers[name].set_family_enabled, family, on)
         self.enabled[(name, family)] = on
 
-    def _budget_base_s(self, period_s: float) -> float:
-        """The governor's base for the period just ended: the targets' CPU time, or their wall time while
-        they mostly wait and the host has idle CPU (governor.budget_base_s)."""
+    def _budget_base_s(self, period_s: float) -> tuple[float, float]:
+        """The governor's base for the period just ended (the targets' CPU time, or their wall time while
+        they mostly wait and the host has idle CPU: governor.budget_base_s), and their CPU time."""
         pids = set().union(*self.attached.values()) if self.attached else set()
         now = {pid: process_cpu_seconds([pid]) for pid in pids}
         used = {pid: max(v - self._cpu_prev.get(pid, v), 0.0) for pid, v in now.items()}
@@ -213,7 +213,8 @@ class TracerManager:
         idle_s = 0.0 if idle is None or self._idle_prev is None else idle - self._idle_prev
         self._idle_prev = idle
         active = sum(1 for u in used.values() if u >= ACTIVE_CPU_FRAC * period_s)
-        return budget_base_s(sum(used.values()), active, period_s, idle_s)
+        cpu_s = sum(used.values())
+        return budget_base_s(cpu_s, active, period_s, idle_s), cpu_s
 
     def run_period(self, period_s: float) -> None:
         """One duty-cycle period: decide, attach, detach on time, account on-time."""
@@ -224,7 +225,8 @@ class TracerManager:
                     for family, n in tracer.hits().items():
                         hits[(name, family)] = n
         before = set(self.last_decision.shed) if self.last_decision is not None else set()
-        self.last_decision = decision = self.governor.update(hits, self._budget_base_s(period_s), period_s)
+        base_s, cpu_s = self._budget_base_s(period_s)
+        self.last_decision = decision = self.governor.update(hits, base_s, period_s, cpu_s=cpu_s)
         for name, family in sorted(set(decision.shed) - before):
             log.warning("always-on family %s.%s shed: the always-on probes alone cost more than trace_budget=%g "
                         "of the traced processes' time; it is retried every %d periods", name, family,

@@ -58,18 +58,17 @@ CASES: dict[str, tuple[list, list]] = {
          ({"numa_miss_ratio": 0.15}, {"numa_miss_ratio": 0.3})],         # mild, host-wide, below 0.3
     ),
     "irq_locality_miss": (
-        [({"irq_max_cpu_share": 0.8, "cpu_softirq_frac": 0.12},      # no last-CPU rows: concentration + preemption
-          {"offcpu_threads": 4, "proc_invol_ctx_per_s": 5, "irq_max_cpu_share": 3}),
-         ({"irq_max_cpu_share": 0.9, "irq_rank_cpu_share": 0.9},      # the IRQs land on this rank's CPUs
-          {"irq_rank_cpu_share": 6, "offcpu_threads": 1}),
-         # the dev scenario irq_storm: every device IRQ on cpu1 (this VM), receive work eating rank 1's CPU
-         ({"irq_max_cpu_share": 1.0, "irq_rank_cpu_share": 1.0, "irq_time_rank_cpu_frac": 0.15},
-          {"runq_wait_threads": 7, "irq_time_rank_cpu_frac": 9})],
+        # the dev scenario irq_storm: receive work eating rank 1's CPU, wherever the device IRQs land
+        [({"irq_max_cpu_share": 1.0, "irq_rank_cpu_share": 0.0, "irq_time_rank_cpu_frac": 0.15},
+          {"runq_wait_threads": 7, "irq_time_rank_cpu_frac": 9}),
+         ({"irq_max_cpu_share": 0.9, "irq_rank_cpu_share": 0.9, "irq_time_rank_cpu_frac": 0.08},  # a NIC's IRQs
+          {"irq_rank_cpu_share": 6, "offcpu_threads": 1})],
         [({"irq_max_cpu_share": 0.2, "cpu_softirq_frac": 0.1}, {"offcpu_threads": 4}),   # IRQs spread out
-         ({"irq_max_cpu_share": 0.8}, {"offcpu_threads": 0.5}),   # concentrated, but no rank pays for it
-         ({"irq_max_cpu_share": 0.8, "irq_rank_cpu_share": 0.1},  # concentrated on CPUs this rank does not use
-          {"offcpu_threads": 4}),
-         # on this rank's CPU, but costing it 1% of its time: a busy rank there for another reason
+         # concentrated and a rank preempted, but nothing says on this rank's CPUs (no last-CPU rows)
+         ({"irq_max_cpu_share": 0.8, "cpu_softirq_frac": 0.12},
+          {"offcpu_threads": 4, "proc_invol_ctx_per_s": 5, "irq_max_cpu_share": 3}),
+         ({"irq_time_rank_cpu_frac": 0.1}, {"offcpu_threads": 0.5}),   # interrupt work, but the rank does not pay
+         # all of the node's IRQs on this rank's CPU, costing it 1% of its time: a busy rank for another reason
          ({"irq_max_cpu_share": 1.0, "irq_rank_cpu_share": 1.0, "irq_time_rank_cpu_frac": 0.01},
           {"runq_wait_threads": 7})],
     ),
