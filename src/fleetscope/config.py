@@ -148,8 +148,8 @@ class Config:
     trace_poll_s: float = 1.0  # how often /proc is scanned for new and ended targets
     # Overhead governor: expensive probe families (kernel launches, Python
     # functions, torch ops) are duty-cycled so that probe hits cost at most
-    # trace_budget of the traced processes' time: their CPU time, or their wall time while they mostly wait
-    # (on a GPU, on peers) and the host has idle CPU (producers/tracers/governor.py: budget_base_s).
+    # trace_budget of the traced processes' CPU time; the always-on families' of their wall time while they
+    # mostly wait (on a GPU, on peers) and the host has idle CPU (producers/tracers/governor.py).
     trace_budget: float = 0.01
     # Attaching and detaching probes costs the traced process too (measured: toggling torch's op
     # probes every second cost far more than their hits), so periods are long: 1–2% on of 30 s.
