@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleetscope.eval.cgroups import PARENT, cgroup_of, controller_root
-from fleetscope.eval.faults import FaultError, make_fault, threads_of
+from fleetscope.eval.faults import FaultError, cpu_share, make_fault, threads_of
 from fleetscope.eval.relay import DelayRelay
 
 BUSY = "import time\nwhile True:\n    pass\n"
@@ -27,17 +27,6 @@ def busy():
     yield p
     p.kill()
     p.wait()
-
-
-def cpu_seconds(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_share(pid: int, seconds: float) -> float:
-    c0, t0 = cpu_seconds(pid), time.monotonic()
-    time.sleep(seconds)
-    return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
 
 
 def fault_dirs(controller: str, pid: int) -> list[Path]:
@@ -68,6 +57,36 @@ def test_cpu_quota_really_slows_a_busy_process_and_cleans_up(busy):
     assert throttled < 0.3, f"quota 0.2 CPU, measured {throttled:.2f}"
     assert cgroup_of(busy.pid, "cpu", version) == origin
     assert fault_dirs("cpu", busy.pid) == []
+
+
+HALF_BUSY = "import time\nwhile True:\n    t = time.monotonic()\n    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.03)\n"
+
+
+def test_cpu_quota_on_the_usage_basis_caps_a_share_of_what_the_rank_used():
+    """A rank that uses about a quarter of a core gets a cap of (1 - strength) of that, not of a whole core:
+    a fixed 15%-of-a-core cap took only 5% off a DDP rank that used 16% of a core."""
+    p = subprocess.Popen([sys.executable, "-c", HALF_BUSY])
+    try:
+        time.sleep(0.5)
+        fault = make_fault("cpu_quota", pid=p.pid, strength=0.6, params={"basis": "usage", "measure_s": 0.5})
+        with fault:
+            used = fault.describe()["used_cpus_before"]
+            assert 0.05 < used < 0.6, f"the half-busy loop used {used:.2f} of a core"
+            assert abs(fault.quota_us - max(1000, 100_000 * used * 0.4)) < 50
+            throttled = cpu_share(p.pid, 1.5)
+            periods = throttled_periods(fault)
+        # The quota is about 0.4 of what it used, so it runs out in most periods (kernel accounting).
+        assert periods >= 5, f"the kernel throttled the cgroup in {periods} periods of 100 ms over 1.5 s"
+        assert throttled < used, f"capped at {fault.quota_us / 1e5:.3f} of a core, measured {throttled:.3f}"
+        assert fault_dirs("cpu", p.pid) == []
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_cpu_quota_refuses_an_unknown_basis():
+    with pytest.raises(FaultError, match="basis"):
+        make_fault("cpu_quota", pid=1, strength=0.5, params={"basis": "wall"})
 
 
 def test_cpu_quota_cleans_up_when_the_process_died_meanwhile():
