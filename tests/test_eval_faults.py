@@ -69,7 +69,11 @@ def test_cpu_quota_on_the_usage_basis_caps_a_share_of_what_the_rank_used():
     try:
         time.sleep(0.5)
         fault = make_fault("cpu_quota", pid=p.pid, strength=0.6, params={"basis": "usage", "measure_s": 0.5})
+        fault.prime()
+        time.sleep(0.5)
+        t = time.monotonic()
         with fault:
+            assert time.monotonic() - t < 0.2, "primed 0.5 s before, start() has nothing left to wait for"
             used = fault.describe()["used_cpus_before"]
             assert 0.05 < used < 0.6, f"the half-busy loop used {used:.2f} of a core"
             assert abs(fault.quota_us - max(1000, 100_000 * used * 0.4)) < 50

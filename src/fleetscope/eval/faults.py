@@ -135,9 +135,21 @@ def last_cpu(pid: int) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far (fields 14 and 15 of /proc/<pid>/stat)."""
+    """User plus system CPU time of a process so far (fields 14 and 15 of /proc/<pid>/stat; clock ticks)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds_precise(pid: int) -> float:
+    """The time the process's live threads have run so far, in ns precision (/proc/<pid>/task/*/schedstat):
+    over a second, stat's 10 ms ticks are a 7% error on a process that uses 15% of a core."""
+    total = 0
+    for tid in threads_of(pid):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass   # the thread exited meanwhile
+    return total / 1e9
 
 
 def cpu_share(pid: int, seconds: float) -> float:
@@ -156,6 +168,10 @@ class Fault:
 
     def __init__(self) -> None:
         self.active = False
+
+    def prime(self) -> None:
+        """Called (by the runner, PRIME_LEAD_S before start) to begin whatever must be measured before the
+        fault starts; a fault that measures nothing ignores it."""
 
     def start(self) -> None:
         self.active = True
@@ -234,8 +250,12 @@ class CpuQuota(Fault):
     basis "cpus": the quota is `cpus` x (1 - strength) of a CPU, a fixed cap. Whether it bites
     depends on how much CPU the rank happens to use on this machine: a rank that uses 16% of a core
     barely notices a 15% cap (measured: -5% step rate), though the same cap took 63% off a rank that
-    used 42%. basis "usage": the rank's own CPU use is measured over `measure_s` just before the
-    fault, and the cap is that x (1 - strength), so the strength means the same on any machine.
+    used 42%. basis "usage": the rank's own CPU use is measured over at least `measure_s` just before
+    the fault (from prime(), or from start(), which then waits), and the cap is that x (1 - strength),
+    so the strength means the same on any machine. The runner primes every rank's injector at once, so
+    a fault on every rank measures them over the same stretch: measured one after another over 0.5 s
+    of stat's clock ticks, three alike ranks read 0.16, 0.14 and 0.10, and the lowest cap made its rank
+    a straggler in what was meant as a job-wide slowdown.
     """
     kind = "cpu_quota"
     MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota
@@ -248,15 +268,24 @@ class CpuQuota(Fault):
         self.pid, self.strength = pid, _check_strength(self.kind, strength)
         self.cpus, self.period_us, self.basis, self.measure_s = cpus, period_us, basis, measure_s
         self.used_cpus: float | None = None
+        self._primed: tuple[float, float] | None = None   # (process CPU s, monotonic s) at prime()
         self.quota_us = self._quota_us(cpus)
         self.cgroup: FaultCgroup | None = None
 
     def _quota_us(self, cpus: float) -> int:
         return max(self.MIN_QUOTA_US, int(self.period_us * cpus * (1 - self.strength)))
 
+    def prime(self) -> None:
+        if self.basis == "usage":
+            self._primed = (cpu_seconds_precise(self.pid), time.monotonic())
+
     def start(self) -> None:
         if self.basis == "usage":
-            self.used_cpus = cpu_share(self.pid, self.measure_s)
+            if self._primed is None:
+                self.prime()
+            cpu0, t0 = self._primed
+            time.sleep(max(0.0, t0 + self.measure_s - time.monotonic()))
+            self.used_cpus = (cpu_seconds_precise(self.pid) - cpu0) / (time.monotonic() - t0)
             self.quota_us = self._quota_us(self.used_cpus)
         self.cgroup = FaultCgroup("cpu", f"cpu-quota-{self.pid}", self.pid)
         if self.cgroup.version == 2:

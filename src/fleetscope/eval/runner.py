@@ -42,6 +42,8 @@ __all__ = ["ONSET_GRACE_WINDOWS", "RECOVERY_GRACE_WINDOWS", "RunOptions", "run_s
 # offset being learned from those first windows: a fault starting as the source joins would be learned as the
 # rank's normal (measured: a CI run whose tracers attached 1.5 s before a straggler flagged it 7 windows of 15).
 TRACED_WINDOWS_BEFORE_CLOCK = 10
+# Faults are built and primed this long before they start (Fault.prime: a CPU quota measures the rank's use).
+PRIME_LEAD_S = 1.0
 
 
 class ScenarioSkipped(RuntimeError):
@@ -133,6 +135,7 @@ class Run:
         self.stack = None
         self.workload = None
         self.active: dict[int, list] = {}        # fault index -> its running injectors
+        self.primed: dict[int, list] = {}        # fault index -> injectors built and primed, not started yet
         self.injected: dict[int, list] = {}      # fault index -> [{on, off, describe}] per burst
         self.events_done: list[dict] = []
         self.workload_may_end = False            # after a crash the job ends, as torchrun ends it
@@ -288,11 +291,18 @@ class Run:
         return [make_fault(f.kind, pid=self.pids[r], rank=r, strength=f.strength, params=f.params,
                            control_dir=self.control_dir, relay=relay) for r in f.ranks]
 
+    def fault_prime(self, i: int) -> None:
+        """Build fault i's injectors PRIME_LEAD_S before it starts and prime them all at once, so what they
+        measure first (a CPU quota's basis: the rank's own use) covers the same stretch on every rank."""
+        self.primed[i] = self._injectors(self.s.faults[i])
+        for inj in self.primed[i]:
+            inj.prime()
+
     def fault_on(self, i: int, t0: float) -> None:
         f = self.s.faults[i]
         started = []
         try:
-            for inj in self._injectors(f):
+            for inj in self.primed.pop(i, None) or self._injectors(f):
                 inj.start()
                 started.append(inj)
         except BaseException:
@@ -321,6 +331,7 @@ class Run:
             for inj in self.active.pop(i):
                 inj.stop()
         t = time.time()
+        self.primed.clear()   # built for the old ranks' pids; fault_on builds them anew
         self.workload.stop()
         self.job = f"{self.s.name}-{self.runid}-r{len(self.jobs)}"
         self.jobs.append(self.job)
@@ -333,14 +344,19 @@ class Run:
                 inj.start()
 
     def inject_and_run(self, t0: float) -> None:
+        from fleetscope.eval.faults import NODE_WIDE_KINDS
         actions = []
         for i, f in enumerate(self.s.faults):
             for a, b in f.schedule.intervals():
                 actions += [(a, 1, "on", i), (b, 0, "off", i)]
+                if f.target != "outside" and f.kind not in NODE_WIDE_KINDS:
+                    actions.append((max(0.0, a - PRIME_LEAD_S), 3, "prime", i))
         actions += [(e.at_s, 2, e.kind, None) for e in self.s.events]
         for at, _, what, i in sorted(actions):
             self._sleep_until(t0 + at, f"fault {i} {what}" if i is not None else what)
-            if what == "on":
+            if what == "prime":
+                self.fault_prime(i)
+            elif what == "on":
                 self.fault_on(i, t0)
             elif what == "off":
                 self.fault_off(i, t0)
