@@ -45,6 +45,7 @@ from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
 from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles, last_arrivers
+from fleetscope.streams.model.locality import local_rows
 from fleetscope.streams.stack_signature import model_input
 from fleetscope.streams.rank_context import RankContext, job_gpu_means, joined_peer_z
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
@@ -76,11 +77,13 @@ class ScoringStats:
     node_windows: int = 0  # node windows scored by their node's model
     node_anomalies: int = 0  # of them flagged
     node_attributed: int = 0  # rank-windows flagged with role node
+    node_localised: int = 0  # of those, culprits named by their own CPUs' interrupt work (model/locality.py)
     job_alike_unflagged: int = 0  # rank-windows flagged alike across a whole step, left to job_rate
     node_not_attributed: int = 0  # rank-windows of a flagged node window left as they were (see _attribute_node)
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     job_named_by_arrival: int = 0  # of those, steps whose culprits the order of arrival named (roles.last_arrivers)
+    job_named_by_locality: int = 0  # of those, steps whose culprits their CPUs' interrupt work named (model/locality.py)
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
     unconfirmed: int = 0  # flagged rank-windows not (yet) flagged in K of their rank's last N (model/confirmation.py)
 
@@ -279,7 +282,7 @@ class Scorer:
         if rate is not None and rate.ofu_flagged and self._flag_job(results, roles, loud_rows, explained, "job_ofu",
                                                                     "job_ofu_ratio", rate.features, evidence):
             self.stats.job_ofu_flags += 1
-        self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z)
+        self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z, evidence)
         self._unflag_job_alike(results, roles, loud_rows)
         self._confirm(members, start, results, roles, loud_rows)
         culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
@@ -318,7 +321,7 @@ class Scorer:
             roles[i] = ""
         self.stats.job_alike_unflagged += len(results)
 
-    def _attribute_node(self, start, members, results, roles, loud_rows, explained, joined_z) -> None:
+    def _attribute_node(self, start, members, results, roles, loud_rows, explained, joined_z, evidence) -> None:
         """A flagged node window explains its host's ranks when every one of them is flagged and none waits.
 
         It flags no rank by itself: the job is most of its node's load, so one rank stalling moves its node's
@@ -328,6 +331,10 @@ class Scorer:
         flagged (by the model, as a culprit, or by the job's rate) and none is waiting for another, they get
         role node, with the node's contributions and its z against its own past, so the diagnosis reads the
         node's change. One culprit among healthy peers on the same host is its own cause and keeps its role.
+
+        Not everything a node does, it does to all of its ranks alike: interrupt work lands on particular
+        CPUs. When the CPUs of a minority of the host's ranks stand out from their peers' (model/locality.py),
+        those ranks are the node's culprits and the rest wait for them, as in a straggler step.
         """
         by_host: dict[str, list[int]] = {}
         for i, (w, _) in enumerate(members):
@@ -342,9 +349,11 @@ class Scorer:
             if not rows or not all(results[i].is_anomaly and roles[i] != WAITING for i in rows):
                 self.stats.node_not_attributed += len(rows)
                 continue
+            local = local_rows(rows, evidence)
+            self.stats.node_localised += len(local)
             for i in rows:
                 results[i].detectors.append("node")
-                roles[i] = NODE
+                roles[i] = NODE if not local else CULPRIT if i in local else WAITING
                 explained[i] = {**node.contributions, **explained.get(i, {})}
                 joined_z[i] = {**joined_z[i], **node.history_z}   # the node against its own past
                 self.stats.node_attributed += 1
@@ -353,14 +362,18 @@ class Scorer:
                   evidence) -> bool:
         """Flag every rank of the step unless a minority of culprits explains the change (its peers wait on
         them). Role job, unless the order of arrival at the step's collectives names the ranks the others
-        wait for (roles.last_arrivers): those are culprits and the rest waiting. The whole job changing
-        alike, or most ranks looking odd at once, is the job's own. Loud rows and node-flagged ranks keep
+        wait for (roles.last_arrivers), or, when it names none, the ranks whose CPUs carry clearly more interrupt
+        work (model/locality.py): those are culprits and the rest waiting. The whole job changing alike, or most
+        ranks looking odd at once, is the job's own. Loud rows and node-flagged ranks keep
         theirs."""
         culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
         if culprit_rows and 2 * len(culprit_rows) < len(results):
             return False
         late = last_arrivers(evidence)
         self.stats.job_named_by_arrival += late is not None
+        if late is None:   # no rank arrives clearly last, but interrupt work may still sit on some ranks' CPUs
+            late = local_rows(range(len(results)), evidence) or None
+            self.stats.job_named_by_locality += late is not None
         for i, s in enumerate(results):
             if i in loud_rows or roles[i] == NODE:
                 continue
