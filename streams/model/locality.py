@@ -17,8 +17,9 @@ the flooded rank a z of 0.7 (measured in irq_storm, 3 of its 17 node windows).
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
+
+from fleetscope.streams.model.roles import finite
 
 LOCAL_FEATURE = "irq_time_rank_cpu_frac"
 # The gap is at least 2 points of a CPU's time: on an idle host the shares are a few thousandths,
@@ -32,8 +33,8 @@ def local_rows(rows: Sequence[int], evidence: Sequence[Mapping[str, float]]) -> 
     """The rows (of `rows`) whose CPUs carry clearly more interrupt work than the others'; [] when none
     does, when fewer than three rows carry the share, or when the busier ones are not a strict minority
     of `rows`."""
-    values = sorted(((float(evidence[i][LOCAL_FEATURE]), i) for i in rows if _finite(evidence[i].get(LOCAL_FEATURE))),
-                    reverse=True)
+    values = sorted(((float(evidence[i][LOCAL_FEATURE]), i) for i in rows
+                     if finite(evidence[i].get(LOCAL_FEATURE))), reverse=True)
     if len(values) < 3:
         return []   # of two, neither is the odd one
     # the widest gap between neighbours; of gaps about as wide, the highest (the fewest ranks above it)
@@ -43,7 +44,3 @@ def local_rows(rows: Sequence[int], evidence: Sequence[Mapping[str, float]]) -> 
     if gap < LOCAL_MIN_GAP or gap < LOCAL_REL_GAP * low_of_local or 2 * cut >= len(rows):
         return []
     return sorted(i for _, i in values[:cut])
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)

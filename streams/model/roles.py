@@ -57,7 +57,7 @@ class StepRoles:
 def wait_feature(vectors: Sequence[Mapping[str, float]]) -> str | None:
     """The wait share this step can compare: the first of WAIT_FEATURES that two ranks report."""
     for name in WAIT_FEATURES:
-        if sum(1 for v in vectors if _finite(v.get(name))) >= 2:
+        if sum(1 for v in vectors if finite(v.get(name))) >= 2:
             return name
     return None
 
@@ -76,7 +76,7 @@ def assign_roles(ranks: Sequence[int], vectors: Sequence[Mapping[str, float]],
     if not flagged_rows:
         return StepRoles(roles, [], None, [])
     name = wait_feature(vectors)
-    waits = [float(v[name]) if name is not None and _finite(v.get(name)) else None for v in vectors]
+    waits = [float(v[name]) if name is not None and finite(v.get(name)) else None for v in vectors]
     measured = [i for i in flagged_rows if waits[i] is not None]
     promoted: list[int] = []
     if measured:
@@ -105,7 +105,7 @@ def last_arrivers(vectors: Sequence[Mapping[str, float]]) -> list[int] | None:
     which a slow link or a busy host raises for every rank. None when fewer than two ranks were compared,
     when no rank waits clearly more than the last arriver, or when more than half arrive alike last.
     """
-    waits = [float(v[ARRIVAL_WAIT]) if _finite(v.get(ARRIVAL_WAIT)) else None for v in vectors]
+    waits = [float(v[ARRIVAL_WAIT]) if finite(v.get(ARRIVAL_WAIT)) else None for v in vectors]
     measured = [i for i, w in enumerate(waits) if w is not None]
     if len(measured) < 2:
         return None
@@ -116,5 +116,5 @@ def last_arrivers(vectors: Sequence[Mapping[str, float]]) -> list[int] | None:
     return late
 
 
-def _finite(v) -> bool:
+def finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)

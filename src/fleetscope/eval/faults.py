@@ -134,12 +134,6 @@ def last_cpu(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[36])
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far (fields 14 and 15 of /proc/<pid>/stat; clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds_precise(pid: int) -> float:
     """The time the process's live threads have run so far, in ns precision (/proc/<pid>/task/*/schedstat):
     over a second, stat's 10 ms ticks are a 7% error on a process that uses 15% of a core."""
@@ -154,9 +148,9 @@ def cpu_seconds_precise(pid: int) -> float:
 
 def cpu_share(pid: int, seconds: float) -> float:
     """The share of one CPU the process uses over the next `seconds` (blocks that long)."""
-    c0, t0 = cpu_seconds(pid), time.monotonic()
+    c0, t0 = cpu_seconds_precise(pid), time.monotonic()
     time.sleep(seconds)
-    return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+    return (cpu_seconds_precise(pid) - c0) / (time.monotonic() - t0)
 
 
 def threads_of(pid: int) -> list[int]:
