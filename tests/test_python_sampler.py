@@ -13,6 +13,7 @@ import pytest
 
 from fleetscope.eval.gpu_stub.batches import index, rows as batch_rows
 from fleetscope.eval.workloads import py_calls
+from fleetscope.producers.tracers.governor import process_cpu_seconds
 from fleetscope.producers.tracers.python_sampler import is_python, parse_raw
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="py-spy reads another process's memory: needs root")
@@ -52,15 +53,10 @@ def _loop(python: str, tmp_path: Path) -> subprocess.Popen:
     # in its loop before it is sampled: on a loaded machine the interpreter's start-up (imports, not run())
     # can fill a whole first window; 0.3 s of CPU is far past start-up (about 0.05 s)
     deadline = time.monotonic() + 60
-    while _cpu_seconds(proc.pid) < 0.3:
+    while process_cpu_seconds([proc.pid]) < 0.3:
         assert proc.poll() is None and time.monotonic() < deadline, "the loop did not start"
         time.sleep(0.05)
     return proc
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.parametrize("python", INTERPRETERS)
