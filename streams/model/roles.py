@@ -25,6 +25,9 @@ clearly less than all of them, that rank is what they wait for: it is promoted
 to a flagged culprit (the model saw the symptom on its peers, not on it).
 
 Roles ``node`` and ``job`` come from the node and job detectors, not from here.
+When the job's own rate says its iterations slowed, ``explains_slowdown`` tells
+the job detector whether the step's culprits are really what the others wait
+for, or whether every rank slowed and one merely arrived last.
 """
 from __future__ import annotations
 
@@ -44,6 +47,14 @@ WAIT_FEATURES = (ARRIVAL_WAIT, "nccl_time_frac", "torch_comm_wait_frac")
 # by a few points of share; a straggler's peers by tens (e.g. 0.33 against 0.06).
 MIN_GAP = 0.03
 MIN_REL_GAP = 0.2
+# A minority of culprits explains a slowdown of the whole job only when its peers wait for it. When one rank
+# makes every iteration take r times as long, each peer spends about 1 - 1/r of its window waiting for it
+# beyond what that rank waits (the dev straggler at -71%: r 3.4, peers 0.6 of a window behind). When every
+# rank slowed itself (a CPU quota on each, dev scenario job_wide_slowdown: iterations 1.5-2x as long), the rank
+# that happens to arrive last leads its peers by 0.04-0.13 of a window, under half of 1 - 1/r (0.17-0.26).
+EXPLAINED_SHARE = 0.5
+# Iterations at most this much longer than the job's own history: no job-wide slowdown to explain.
+MIN_SLOWDOWN = 1.1
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,31 @@ def last_arrivers(vectors: Sequence[Mapping[str, float]]) -> list[int] | None:
     if len(late) == len(measured) or 2 * len(late) > len(vectors):
         return None
     return late
+
+
+def explains_slowdown(vectors: Sequence[Mapping[str, float]], rows: Sequence[int],
+                      iteration_time_ratio: float | None) -> bool:
+    """Do these rows (the step's culprits or last arrivers) account for the job's slower iterations?
+
+    Yes when their peers wait for them by at least EXPLAINED_SHARE of what a slowdown of
+    ``iteration_time_ratio`` (the job's iteration time against its own history, model/job_rate.py) would
+    make them wait, 1 - 1/r of a window: the median peer's wait share minus the rows' largest. No when the
+    peers barely wait longer: every rank slowed down, and the rows only happened to arrive last. Yes
+    (nothing to decide against) without a slowdown of at least MIN_SLOWDOWN or without wait shares.
+    """
+    if not finite(iteration_time_ratio) or iteration_time_ratio < MIN_SLOWDOWN:
+        return True
+    name = wait_feature(vectors)
+    if name is None:
+        return True
+    waits = [float(v[name]) if finite(v.get(name)) else None for v in vectors]
+    chosen = set(rows)
+    own = [waits[i] for i in chosen if waits[i] is not None]
+    peers = sorted(w for i, w in enumerate(waits) if i not in chosen and w is not None)
+    if not own or not peers:
+        return True
+    median_peer = 0.5 * (peers[(len(peers) - 1) // 2] + peers[len(peers) // 2])
+    return median_peer - max(own) >= EXPLAINED_SHARE * (1 - 1 / iteration_time_ratio)
 
 
 def finite(v) -> bool:
