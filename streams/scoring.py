@@ -44,7 +44,8 @@ from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
 from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
-from fleetscope.streams.model.roles import CULPRIT, JOB, NODE, WAITING, assign_roles, explains_slowdown, last_arrivers
+from fleetscope.streams.model.roles import (CULPRIT, JOB, NODE, WAITING, assign_roles, differs_from_peers,
+                                            explains_slowdown, last_arrivers)
 from fleetscope.streams.model.locality import local_rows
 from fleetscope.streams.stack_signature import model_input
 from fleetscope.streams.rank_context import RankContext, job_gpu_means, joined_peer_z
@@ -84,7 +85,7 @@ class ScoringStats:
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     job_named_by_arrival: int = 0  # of those, steps whose culprits the order of arrival named (roles.last_arrivers)
     job_named_by_locality: int = 0  # of those, steps whose culprits their CPUs' interrupt work named (model/locality.py)
-    job_not_explained: int = 0  # job flags whose culprits or last arrivers were not waited for enough to explain them
+    job_not_explained: int = 0  # job flags whose culprits did not differ from their peers, or whose last arrivers were not waited for enough
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
     unconfirmed: int = 0  # flagged rank-windows not (yet) flagged in K of their rank's last N (model/confirmation.py)
 
@@ -361,24 +362,25 @@ class Scorer:
 
     def _flag_job(self, results, roles, loud_rows, explained, detector: str, feature: str, features: dict,
                   evidence) -> bool:
-        """Flag every rank of the step unless a minority of culprits explains the change: its peers wait on
-        them, long enough to account for the slower iterations (roles.explains_slowdown). Role job, unless
-        the order of arrival at the step's collectives names the ranks the others wait for that long
-        (roles.last_arrivers), or, when it names none, the ranks whose CPUs carry clearly more interrupt
-        work (model/locality.py): those are culprits and the rest waiting. The whole job changing alike, or
-        most ranks looking odd at once, is the job's own: a culprit the others barely wait for only arrived
-        last (dev scenario job_wide_slowdown: a quota on every rank). Loud rows and node-flagged ranks keep
-        theirs."""
+        """Flag every rank of the step unless a minority of culprits explains the change: their peers'
+        comparison flagged them (roles.differs_from_peers). Role job, unless the order of arrival at the
+        step's collectives names the ranks the others wait for, long enough to account for the slower
+        iterations (roles.last_arrivers, roles.explains_slowdown), or, when it names none, the ranks whose
+        CPUs carry clearly more interrupt work (model/locality.py): those are culprits and the rest waiting.
+        The whole job changing alike, or most ranks looking odd at once, is the job's own: a culprit only its
+        own history flagged, like its peers, merely arrived last (dev scenario job_wide_slowdown: a quota on
+        every rank). Loud rows and node-flagged ranks keep theirs."""
         ratio = features.get("job_iteration_time_ratio")
         culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
+        not_explained = False
         if culprit_rows and 2 * len(culprit_rows) < len(results):
-            if explains_slowdown(evidence, culprit_rows, ratio):
+            if any(differs_from_peers(results[i].detectors) for i in culprit_rows):
                 return False
-            self.stats.job_not_explained += 1
+            not_explained = True
         late = last_arrivers(evidence)
         if late is not None and not explains_slowdown(evidence, late, ratio):
-            late = None
-            self.stats.job_not_explained += 1
+            late, not_explained = None, True
+        self.stats.job_not_explained += not_explained
         self.stats.job_named_by_arrival += late is not None
         if late is None:   # no rank arrives clearly last, but interrupt work may still sit on some ranks' CPUs
             late = local_rows(range(len(results)), evidence) or None

@@ -25,9 +25,10 @@ clearly less than all of them, that rank is what they wait for: it is promoted
 to a flagged culprit (the model saw the symptom on its peers, not on it).
 
 Roles ``node`` and ``job`` come from the node and job detectors, not from here.
-When the job's own rate says its iterations slowed, ``explains_slowdown`` tells
-the job detector whether the step's culprits are really what the others wait
-for, or whether every rank slowed and one merely arrived last.
+When the job's own rate says its iterations slowed, ``differs_from_peers`` and
+``explains_slowdown`` tell the job detector whether the step's culprits are
+really what the others wait for, or whether every rank slowed and one merely
+arrived last.
 """
 from __future__ import annotations
 
@@ -47,11 +48,12 @@ WAIT_FEATURES = (ARRIVAL_WAIT, "nccl_time_frac", "torch_comm_wait_frac")
 # by a few points of share; a straggler's peers by tens (e.g. 0.33 against 0.06).
 MIN_GAP = 0.03
 MIN_REL_GAP = 0.2
-# A minority of culprits explains a slowdown of the whole job only when its peers wait for it. When one rank
-# makes every iteration take r times as long, each peer spends about 1 - 1/r of its window waiting for it
-# beyond what that rank waits (the dev straggler at -71%: r 3.4, peers 0.6 of a window behind). When every
-# rank slowed itself (a CPU quota on each, dev scenario job_wide_slowdown: iterations 1.5-2x as long), the rank
-# that happens to arrive last leads its peers by 0.04-0.13 of a window, under half of 1 - 1/r (0.17-0.26).
+# The order of arrival alone names a rank the cause of a job-wide slowdown only when its peers wait for it.
+# When one rank makes every iteration take r times as long, a peer can wait up to 1 - 1/r of its window at
+# entry for it; gloo's ring also waits inside the call, so a real straggler shows less (the dev straggler, r
+# 2.5-3.2: 0.17-0.32 of that). When every rank slowed itself (a CPU quota on each, dev scenario
+# job_wide_slowdown, r 1.5-2.1), the rank that happens to arrive last leads by 0.17-0.40 of it. Half is the line;
+# a straggler its own model or the peer comparison flags needs no arrival order (differs_from_peers).
 EXPLAINED_SHARE = 0.5
 # Iterations at most this much longer than the job's own history: no job-wide slowdown to explain.
 MIN_SLOWDOWN = 1.1
@@ -127,9 +129,23 @@ def last_arrivers(vectors: Sequence[Mapping[str, float]]) -> list[int] | None:
     return late
 
 
+# Detectors whose flag says a rank differs from its peers in this step, not only from its own past.
+PEER_DETECTORS = ("peer", "wait")
+
+
+def differs_from_peers(detectors: Sequence[str]) -> bool:
+    """A culprit its peers' comparison flagged (or promoted as the rank every flagged peer waited for).
+
+    Only such a culprit explains a slowdown of the whole job. One that only its own history flagged, like
+    its peers, is a rank whose job slowed around it (dev scenario job_wide_slowdown: every rank flagged by its
+    own mixture, and the one that waited least named the culprit in 33 of 40 windows; every straggler
+    culprit of the dev runs was flagged by the peer comparison)."""
+    return any(d in PEER_DETECTORS for d in detectors)
+
+
 def explains_slowdown(vectors: Sequence[Mapping[str, float]], rows: Sequence[int],
                       iteration_time_ratio: float | None) -> bool:
-    """Do these rows (the step's culprits or last arrivers) account for the job's slower iterations?
+    """Do these rows (the step's last arrivers) account for the job's slower iterations?
 
     Yes when their peers wait for them by at least EXPLAINED_SHARE of what a slowdown of
     ``iteration_time_ratio`` (the job's iteration time against its own history, model/job_rate.py) would
