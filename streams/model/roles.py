@@ -33,6 +33,7 @@ arrived last.
 from __future__ import annotations
 
 import math
+from statistics import median
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -75,6 +76,11 @@ def wait_feature(vectors: Sequence[Mapping[str, float]]) -> str | None:
     return None
 
 
+def wait_shares(vectors: Sequence[Mapping[str, float]], name: str | None) -> list[float | None]:
+    """Each row's wait share ``name``, None where the row has no finite one (or no share was chosen)."""
+    return [float(v[name]) if name is not None and finite(v.get(name)) else None for v in vectors]
+
+
 def waits_clearly_more(wait: float, least: float) -> bool:
     gap = wait - least
     return gap >= MIN_GAP and gap >= MIN_REL_GAP * wait
@@ -89,7 +95,7 @@ def assign_roles(ranks: Sequence[int], vectors: Sequence[Mapping[str, float]],
     if not flagged_rows:
         return StepRoles(roles, [], None, [])
     name = wait_feature(vectors)
-    waits = [float(v[name]) if name is not None and finite(v.get(name)) else None for v in vectors]
+    waits = wait_shares(vectors, name)
     measured = [i for i in flagged_rows if waits[i] is not None]
     promoted: list[int] = []
     if measured:
@@ -118,7 +124,7 @@ def last_arrivers(vectors: Sequence[Mapping[str, float]]) -> list[int] | None:
     which a slow link or a busy host raises for every rank. None when fewer than two ranks were compared,
     when no rank waits clearly more than the last arriver, or when more than half arrive alike last.
     """
-    waits = [float(v[ARRIVAL_WAIT]) if finite(v.get(ARRIVAL_WAIT)) else None for v in vectors]
+    waits = wait_shares(vectors, ARRIVAL_WAIT)
     measured = [i for i, w in enumerate(waits) if w is not None]
     if len(measured) < 2:
         return None
@@ -158,14 +164,13 @@ def explains_slowdown(vectors: Sequence[Mapping[str, float]], rows: Sequence[int
     name = wait_feature(vectors)
     if name is None:
         return True
-    waits = [float(v[name]) if finite(v.get(name)) else None for v in vectors]
+    waits = wait_shares(vectors, name)
     chosen = set(rows)
     own = [waits[i] for i in chosen if waits[i] is not None]
-    peers = sorted(w for i, w in enumerate(waits) if i not in chosen and w is not None)
+    peers = [w for i, w in enumerate(waits) if i not in chosen and w is not None]
     if not own or not peers:
         return True
-    median_peer = 0.5 * (peers[(len(peers) - 1) // 2] + peers[len(peers) // 2])
-    return median_peer - max(own) >= EXPLAINED_SHARE * (1 - 1 / iteration_time_ratio)
+    return median(peers) - max(own) >= EXPLAINED_SHARE * (1 - 1 / iteration_time_ratio)
 
 
 def finite(v) -> bool:
