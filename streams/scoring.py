@@ -98,7 +98,7 @@ class Scorer:
         if model_config is None:
             # only the detectors the rule consults: HalfSpaceTrees alone made scoring 8x slower
             needed = Rule.parse(cfg.detect_rule).names
-            model_config = ModelConfig(warmup_windows=cfg.warmup_windows, rule=cfg.detect_rule,
+            model_config = ModelConfig(warmup_windows=cfg.warmup_windows, rule=cfg.detect_rule, window_s=cfg.window_s,
                                        detectors=tuple(d for d in DETECTORS if d == "gmm" or d in needed))
         self.model_config = model_config
         self.node_model_config = node_model_config(model_config)

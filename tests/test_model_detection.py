@@ -169,6 +169,42 @@ def test_peer_z_of_a_histogram_quantile_needs_more_than_one_bucket():
     assert peers.zscores(X, np.ones_like(X, bool), learn=False)[1, 0] >= 6.0
 
 
+def tick_quantized_cpu(window_s: float, windows: int = 200, seed: int = 3):
+    """proc_cpu_cores of 3 ranks that use ~5% of a core, read in 10 ms clock ticks: mostly 5 ticks per 1 s
+    window, one rank a tick off now and then (the GPU stand-in's ranks, measured); then largest |z| seen."""
+    peers = PeerComparison(min_ranks=3, rel_floor=0.02, window_s=window_s)
+    peers.grow(2, ["proc_cpu_cores", "python_gc_per_s"])
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for _ in range(windows):
+        ticks = np.full(3, 5.0)
+        if rng.random() < 0.1:
+            ticks[rng.integers(3)] += rng.choice([-1.0, 1.0])
+        gcs = np.full(3, 2.0)
+        if rng.random() < 0.1:
+            gcs[rng.integers(3)] += 1.0       # one more collection in one window
+        X = np.column_stack([ticks * 0.01, gcs])
+        worst = max(worst, float(np.abs(peers.zscores(X, np.ones_like(X, bool), learn_below=6.0)).max()))
+    return peers, worst
+
+
+def test_one_clock_tick_or_one_event_is_not_a_peer_anomaly():
+    """A difference of one step of what a window can measure stays quiet; without the window's length the same
+    data reads |z| ~ 10 (the false positives of the GPU stand-in); a rank that uses 10 ticks more still flags."""
+    from fleetscope.streams.model.peers import resolution_step
+    assert resolution_step("proc_cpu_cores", 2.0) == pytest.approx(0.005)
+    assert resolution_step("python_gc_per_s", 2.0) == 0.5
+    assert resolution_step("proc_read_bytes_per_s", 2.0) == 0.0 and resolution_step("nccl_time_frac", 2.0) == 0.0
+    assert resolution_step("python_gc_per_s", 0.0) == 0.0
+    _, unfloored = tick_quantized_cpu(window_s=0.0)
+    assert unfloored >= 6.0
+    peers, worst = tick_quantized_cpu(window_s=1.0)
+    assert worst < 3.0
+    X = np.array([[0.05, 2.0], [0.15, 2.0], [0.05, 12.0]])
+    z = peers.zscores(X, np.ones_like(X, bool), learn=False)
+    assert z[1, 0] >= 6.0 and z[2, 1] >= 6.0
+
+
 def test_peer_spread_is_not_learned_from_the_odd_rank():
     """A straggler that lasts 60 windows keeps firing: the typical spread learns from the ranks that agree."""
     from fleetscope.streams.model.peers import PeerComparison

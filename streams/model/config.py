@@ -43,6 +43,8 @@ class ModelConfig:
     peer_z_threshold: float = 6.0
     peer_min_ranks: int = 3
     peer_rel_floor: float = 0.02
+    window_s: float = 0.0             # the windows' length: the peers' floor of one event or clock tick per
+                                      # window (peers.resolution_step); 0: unknown, no such floor
     peer_offset_rate: float = 0.02    # each rank's usual offset from its peers (peers.RankOffsets): cumulative
                                       # mean over its first 1/rate windows, then this rate; 0: no offsets
     peer_offset_min_obs: int = 8      # ... used once a rank's feature has this many windows (before: plain peer z)

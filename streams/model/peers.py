@@ -5,6 +5,7 @@ For each rank i and feature j, over the ranks that observed j in this window:
     scale_j = max(1.4826 * MAD_j,            this window's robust spread
                   typical_j,                  how far apart the ranks usually are
                   rel_floor * |median_j|,     a relative floor
+                  step_j,                     the feature's resolution in one window
                   abs_floor)
 The floors are what keep identical healthy ranks from producing huge z out of
 tiny noise. One window's MAD can be near zero by chance: with 3 ranks it is the
@@ -17,6 +18,13 @@ a long fault drags it up (measured on the evaluation runs: with the typical MAD
 instead, noisy p99 latencies of healthy ranks reached |z| 6-10 in about one
 window in ten). A feature whose ranks agree to the last digit still gets
 ``rel_floor`` of its size.
+
+``step_j`` is the smallest difference one window can measure (resolution_step):
+a count of events moves in steps of one event per window, CPU time read from
+/proc in steps of one clock tick. Ranks that usually agree exactly teach
+``typical_j`` a spread near zero, and one step then read as a huge z: on the
+GPU stand-in, whose ranks use ~5% of a core, one tick of proc_cpu_cores
+(0.05 vs 0.06 cores in a 1 s window) against the 2% floor gave |z| ~ 10.
 Features observed by fewer than ``min_ranks`` ranks get z = 0 (no peers).
 
 A rank may differ from its peers by design (a larger batch, another pipeline
@@ -34,6 +42,21 @@ MAD_TO_SIGMA = 1.4826
 MEAN_AD_TO_SIGMA = 1.2533  # sqrt(pi/2), for a normal
 HISTOGRAM_STEP = 2 ** 0.25 - 1   # relative width of the tracers' quarter-octave latency buckets
 QUANTIZED_SUFFIXES = ("_lat_p50_ns", "_lat_p99_ns")
+CPU_TICK_S = 0.01   # /proc/<pid>/stat counts CPU time in USER_HZ ticks: 100 per second on Linux
+COUNT_SUFFIX = "_per_s"
+
+
+def resolution_step(name: str, window_s: float) -> float:
+    """The smallest difference between ranks that one window of ``window_s`` seconds can measure
+    in this feature: one clock tick of CPU time, one event of a count; 0 where it is finer than any
+    floor (bytes, latencies, fractions) or the window length is unknown (window_s <= 0)."""
+    if window_s <= 0:
+        return 0.0
+    if name == "proc_cpu_cores":
+        return CPU_TICK_S / window_s
+    if name.endswith(COUNT_SUFFIX) and "bytes" not in name:
+        return 1.0 / window_s
+    return 0.0
 
 
 def relative_floor(name: str, base: float) -> float:
@@ -59,13 +82,15 @@ def _masked_median(X: np.ndarray, observed: np.ndarray, all_observed: bool = Fal
 
 class PeerComparison:
     def __init__(self, min_ranks: int = 3, rel_floor: float = 0.02, abs_floor: float = 1e-9,
-                 typical_rate: float = 0.05):
+                 typical_rate: float = 0.05, window_s: float = 0.0):
         self.min_ranks = min_ranks
         self.rel_floor = rel_floor
         self.abs_floor = abs_floor
         self.typical_rate = typical_rate
+        self.window_s = window_s       # the windows' length, for the resolution steps (0: unknown)
         self.typical = np.zeros(0)     # running healthy spread per feature (NaN until seen)
         self.floors = np.zeros(0)      # relative floor per feature (from its name)
+        self.steps = np.zeros(0)       # absolute floor per feature: its resolution step, at least abs_floor
         self.last: tuple | None = None  # (columns, x - median, scale, observed) of the last window compared
 
     def grow(self, d: int, names: list[str] | None = None) -> None:
@@ -73,9 +98,12 @@ class PeerComparison:
         if extra > 0:
             self.typical = np.concatenate([self.typical, np.full(extra, np.nan)])
         have = self.floors.size
-        if have < d:   # names known: per-feature floors; else the base floor
-            new = [relative_floor(n, self.rel_floor) for n in names[have:d]] if names else [self.rel_floor] * (d - have)
-            self.floors = np.concatenate([self.floors, np.asarray(new, float)])
+        if have < d:   # names known: per-feature floors; else the base floors
+            new = names[have:d] if names else [""] * (d - have)
+            rel = [relative_floor(n, self.rel_floor) for n in new]
+            step = [max(resolution_step(n, self.window_s), self.abs_floor) for n in new]
+            self.floors = np.concatenate([self.floors, np.asarray(rel, float)])
+            self.steps = np.concatenate([self.steps, np.asarray(step, float)])
 
     def zscores(self, X: np.ndarray, observed: np.ndarray, learn: bool = True,
                 learn_below: float = np.inf) -> np.ndarray:
@@ -98,7 +126,7 @@ class PeerComparison:
         mad = MAD_TO_SIGMA * _masked_median(dev, Oc, dense)
         typ = self.typical[cols]
         scale = np.fmax(mad, typ)   # fmax: a NaN typical (first window) is ignored
-        scale = np.maximum(scale, np.maximum(self.floors[cols] * np.abs(med), self.abs_floor))
+        scale = np.maximum(scale, np.maximum(self.floors[cols] * np.abs(med), self.steps[cols]))
         zc = diff / scale
         if not dense:
             zc[~Oc] = 0.0
@@ -327,8 +355,8 @@ class PeerDetector:
     @classmethod
     def from_config(cls, c) -> "PeerDetector":
         offsets = RankOffsets(c.peer_offset_rate, c.peer_offset_min_obs) if c.peer_offset_rate > 0 else None
-        return cls(PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor), c.peer_z_threshold,
-                   offsets)
+        comparison = PeerComparison(min_ranks=c.peer_min_ranks, rel_floor=c.peer_rel_floor, window_s=c.window_s)
+        return cls(comparison, c.peer_z_threshold, offsets)
 
     def grow(self, d: int, names: list[str]) -> None:
         self.peers.grow(d, names)

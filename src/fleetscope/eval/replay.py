@@ -53,7 +53,7 @@ def replay(result: dict, overrides: dict) -> tuple[list, dict]:
     """(score rows as the runner collects them, the Score dict) for one kept run."""
     from fleetscope.eval.timegrid import ONSET_GRACE_WINDOWS, RECOVERY_GRACE_WINDOWS, window_of
     from fleetscope.streams.model import JobModel, ModelConfig
-    cfg = ModelConfig(warmup_windows=result["warmup_windows"], rule=result["detect_rule"])
+    cfg = ModelConfig(warmup_windows=result["warmup_windows"], rule=result["detect_rule"], window_s=result["window_s"])
     dspot = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("dspot.")}
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if not k.startswith("dspot.")})
     model = JobModel(cfg)
