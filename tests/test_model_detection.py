@@ -268,6 +268,40 @@ def test_a_source_that_joins_after_calibration_is_admitted_without_flagging_the_
     assert "gmm" in hit.detectors and "late.x2" in hit.contributions
 
 
+def fault_with_late_features(seed: int) -> tuple[list, JobModel]:
+    """Three ranks; from window 60 to 100 rank 1 is slowed (a fifth of its rate on 6 features) and
+    four late features start reporting on every rank at a level the fault sets (50, then 100 once it
+    ends), as torch's wait features did when the dev scenario dataloader_stall's stall began."""
+    start, end, n_ranks = 60, 100, 3
+    job = SyntheticJob(n_ranks=n_ranks, seed=seed)
+    rng = np.random.default_rng(seed)
+    model = JobModel(ModelConfig(detectors=("gmm", "peer"), rule="gmm or peer"))
+    windows = []
+    for w in range(end + 40):
+        factor = np.ones((n_ranks, job.n_features))
+        if start <= w < end:
+            factor[1, :6] = 0.2
+        rows = job.window(factor)
+        if w >= start:
+            for _, d in rows:
+                for i in range(4):
+                    d[f"late.x{i}"] = (50.0 if w < end else 100.0) * (1 + 0.05 * rng.standard_normal())
+        windows.append(model.process_window(w * 1_000_000_000, rows))
+    return windows, model
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_late_features_are_not_admitted_on_a_faults_scores(seed):
+    """Admitted during the fault, the late features' thresholds were calibrated on the fault's windows,
+    and every rank was flagged after the job had recovered. Only windows with no flagged rank count
+    toward the round, so the features join on healthy scores and the recovery stays quiet."""
+    windows, model = fault_with_late_features(seed)
+    assert first_flag(windows, 1, 60) is not None and first_flag(windows, 1, 60) <= 2
+    assert model.stats["admission_windows_skipped"] >= 30
+    assert model.stats["features_admitted"] == 4
+    assert flagged_windows(windows, 103, 140) <= 3
+
+
 def test_every_score_reads_zero_where_its_mask_is_false():
     """The density code reads a masked cell as 0. A feature that becomes usable while a late
     feature's round runs is neither scored nor pending: its standardized values must not reach

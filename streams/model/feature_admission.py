@@ -18,6 +18,14 @@ of warm-up). A feature that becomes usable after that is *pending*:
  - then the shadow thresholds calibrate and replace the current ones, and the
    pending features join the scored set (``stats['features_admitted']``).
 Features that become usable while a round runs wait for the next round.
+Only quiet windows, where no rank is flagged, count toward a round (JobModel
+skips the others, ``stats['admission_windows_skipped']``): a fault changes its
+peers' scores too, and a round that ran during one calibrated the new
+thresholds on the fault. Measured on the dev scenario ``dataloader_stall``:
+torch features that became usable as the stall began were admitted five
+windows before it ended, on 10 scores of the stalled job, and every rank was
+then flagged for 24 windows after the job had recovered. A job that always
+has a flagged rank keeps its late features pending: learned, not scored.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class JobModel:
         self.windows = 0
         self.last_window_ns = -1
         self.flagged_run = 0
-        self.stats = {"rows": 0, "replayed_windows": 0, "regime_windows_learned": 0,
+        self.stats = {"rows": 0, "replayed_windows": 0, "regime_windows_learned": 0, "admission_windows_skipped": 0,
                       "unscorable_rows": 0, "features_admitted": 0}
 
     # ------------------------------------------------------------ helpers
@@ -150,7 +150,9 @@ class JobModel:
 
         if not replay:
             self._learn(w, anomaly, None if hold is None else np.asarray(hold, bool))
-            if shadow_scores is not None:
+            if shadow_scores is not None and anomaly.any():
+                self.stats["admission_windows_skipped"] += 1
+            elif shadow_scores is not None:
                 normal = scorable & ~anomaly
                 adm.observe({name: s[normal] for name, s in shadow_scores.items()})
                 self.stats["features_admitted"] += adm.admit(self.thresholds, warm)
