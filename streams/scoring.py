@@ -61,6 +61,9 @@ class VanishedWindow(NamedTuple):
     start_ns: int
 
 
+MODEL_COUNTERS = ("features_admitted", "admission_windows_skipped")   # the job models' counters the worker sums
+
+
 @dataclass
 class ScoringStats:
     steps: int = 0
@@ -73,6 +76,7 @@ class ScoringStats:
     checkpoints: int = 0
     node_join_misses: int = 0  # anomalies diagnosed without their host's node features
     features_admitted: int = 0  # late features that joined a job's score (FeatureAdmission)
+    admission_windows_skipped: int = 0  # windows a late feature's round did not count: a rank was flagged
     waiting: int = 0  # flagged rank-windows labelled waiting: stored, not alerted
     promoted: int = 0  # unflagged ranks every flagged peer waited for, flagged as the culprit
     node_windows: int = 0  # node windows scored by their node's model
@@ -192,7 +196,7 @@ class Scorer:
             # in the anomaly's vector as evidence for diagnosis.
             rows = [(w.key[3], model_input(v)) for w, v in members]   # categorical ids stay out of the model
             model = self.model(tenant, job)
-            admitted = model.stats["features_admitted"]
+            before = [model.stats[name] for name in MODEL_COUNTERS]
             # a rank whose memory drifts is held: neither the model nor its thresholds learn the leak
             drifts = self.drift.step((tenant, job), start, [(w.key[2], w.key[3]) for w, _ in members],
                                      [v for _, v in members])
@@ -200,7 +204,8 @@ class Scorer:
             for d in drifts:
                 held[d.index] = True
             results = model.process_window(start, rows, hold=held if drifts else None)
-            self.stats.features_admitted += model.stats["features_admitted"] - admitted
+            for name, was in zip(MODEL_COUNTERS, before):
+                setattr(self.stats, name, getattr(self.stats, name) + model.stats[name] - was)
             self.stats.steps += 1
             self._judge(tenant, job, start, members, results, scored, flagged, drifts)
         self._finish(scored, flagged)
