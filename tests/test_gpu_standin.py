@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs 
 
 CFG = StandinConfig(batch_mb=4, kernels=8, kernel_us=500, grad_mb=0.5, step_sleep_ms=20)
 STALL_MS, LEAK = 30, 1 << 20
+WORKSPACE = 4 << 20   # the stand-in allocates and frees a workspace of this size every step
 PHASE_S = 1.5
 
 
@@ -102,7 +103,10 @@ def test_two_ranks_traced_memcpy_stall_and_leak_on_one_rank(tmp_path):
     steps_faulty = faulty[1][("cuda.calls", "cudaMemcpy")]
     assert steps_faulty >= 10 and abs(kept(faulty, 1) - LEAK * steps_faulty) <= LEAK, (kept(faulty, 1), steps_faulty)
     assert faulty[1][("cuda.mem_live_bytes", "all")] - healthy[1][("cuda.mem_live_bytes", "all")] >= LEAK * steps_faulty
-    assert kept(healthy, 0) == kept(faulty, 0) == kept(after, 1) == kept(healthy, 1) == 0
+    # a phase's edge can fall between a step's workspace malloc and its free (4 MiB, gpu_standin_rank.c; seen
+    # once with a busy loop per core): at most that one allocation is open at either edge
+    for phase, rank in ((healthy, 0), (faulty, 0), (after, 1), (healthy, 1)):
+        assert kept(phase, rank) in (-WORKSPACE, 0, WORKSPACE), (rank, kept(phase, rank))
     assert faulty[0][("cuda.mem_live_bytes", "all")] == healthy[0][("cuda.mem_live_bytes", "all")]
     # every step seen: a rank's traced calls equal its own step count (+1: the step that
     # found the ring closed at the end is not counted by the rank)
