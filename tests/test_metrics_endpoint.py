@@ -140,22 +140,20 @@ def test_result_series_follow_the_output_topics_and_expire_with_their_job(pipeli
             p.produce(cfg.topic("anomalies"), key=b"acme/x", value=b"not json")
             assert p.flush(30) == 0
 
-        # the reader starts at the latest offsets: publish until its group has its partitions and sees them
-        def seen():
-            if not any(s.labels.get("job") == "train-1" for s in scrape(endpoint.url).get("fleetscope_rank_score", [])):
+        # the reader starts at the latest offsets, and each output topic's partitions are assigned on their own
+        # (under load the diagnoses topic came after the scores topic was seen): publish until it sees them
+        def republished_until(ready):
+            def poll():
+                fams = scrape(endpoint.url)
+                if ready(fams):
+                    return fams
                 publish_all()
                 return None
-            return scrape(endpoint.url)
-        fams = wait_for(seen, 90, "the result series")
-        def diagnosed():
-            # each output topic's partitions are assigned on their own: under load the diagnoses topic can be
-            # assigned after the scores topic was seen, and the reader starts at its latest offsets
-            f = scrape(endpoint.url)
-            if "fleetscope_diagnoses" in f and value(f, "fleetscope_diagnoses") > 0:
-                return f
-            publish_all()
-            return None
-        fams = wait_for(diagnosed, 90, "the diagnosis counter")
+            return poll
+        wait_for(republished_until(lambda f: any(s.labels.get("job") == "train-1"
+                                                 for s in f.get("fleetscope_rank_score", []))), 90, "the result series")
+        fams = wait_for(republished_until(lambda f: "fleetscope_diagnoses" in f and value(f, "fleetscope_diagnoses") > 0),
+                        90, "the diagnosis counter")
         scores = {s.labels["rank"]: s for s in fams["fleetscope_rank_score"]}
         assert scores["2"].value == 31.0 and scores["0"].value == 5.0
         assert set(scores["2"].labels) == {"tenant", "job", "host", "rank", "role"}
