@@ -19,8 +19,10 @@ import time
 from typing import Protocol
 
 from fleetscope.streams.model_state import JobState
+from fleetscope.topic_reader import drain
 
 log = logging.getLogger(__name__)
+DRAIN_SETTLE_S = 0.1  # one empty poll this long ends a catch-up (only after partitions arrive)
 
 
 class JobStates(Protocol):
@@ -83,18 +85,25 @@ class ModelStateTopic:
             for msg in self._consumer.consume(1000, 0.1):
                 if msg.error() is not None:
                     continue
-                if msg.value() is not None:
-                    try:
-                        state = JobState.decode(msg.value())
-                        self._latest[(state.tenant, state.job)] = state
-                    except ValueError as exc:
-                        self.unreadable += 1
-                        log.warning("skipped an unreadable %s message at %d/%d: %s", self.topic,
-                                    msg.partition(), msg.offset(), exc)
+                self._take(msg)
                 if msg.offset() + 1 >= ends.get(msg.partition(), 0):
                     done.add(msg.partition())
+        # tansu reports a partition's end as its last record batch's first offset + 1 (topic_reader.py): the
+        # rest of that batch, the newest states, may come after the reported end
+        drain(self._consumer, self._take, DRAIN_SETTLE_S, deadline)
         self._read = wanted
         self.catch_ups += 1
+
+    def _take(self, msg) -> None:
+        if msg.value() is None:
+            return
+        try:
+            state = JobState.decode(msg.value())
+            self._latest[(state.tenant, state.job)] = state
+        except ValueError as exc:
+            self.unreadable += 1
+            log.warning("skipped an unreadable %s message at %d/%d: %s", self.topic,
+                        msg.partition(), msg.offset(), exc)
 
     def _position(self, partition: int) -> int:
         from confluent_kafka import TopicPartition

@@ -14,9 +14,10 @@ from importlib.resources import files
 
 import jsonschema
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 
 from fleetscope.config import Config
+from fleetscope.topic_reader import read_topic
 from fleetscope.topics import all_topics, ensure_topics
 from fleetscope.wire import encode
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, SCHEMA_FILES
@@ -58,17 +59,9 @@ def published_alerts(store, tmp_path, bootstrap: str) -> dict[str, list[tuple[di
         proc.flush()
     assert proc.snapshot()["model_diagnoses"] > 0, proc.snapshot()
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{prefix}-read", "enable.auto.commit": False})
-    consumer.assign([TopicPartition(cfg.topic(t), 0, 0) for t in HEADER_OF_TOPIC])
     got: dict[str, list[tuple[dict, bytes]]] = {t: [] for t in HEADER_OF_TOPIC}
-    ends = {t: consumer.get_watermark_offsets(TopicPartition(cfg.topic(t), 0), timeout=10)[1] for t in HEADER_OF_TOPIC}
-    try:
-        while any(len(got[t]) < ends[t] for t in HEADER_OF_TOPIC):
-            for m in consumer.consume(100, 1.0):
-                assert not m.error(), m.error()
-                got[m.topic().rsplit(".", 1)[1]].append((dict(m.headers() or ()), m.value()))
-    finally:
-        consumer.close()
+    for t in HEADER_OF_TOPIC:
+        got[t] = [(dict(m.headers() or ()), m.value()) for m in read_topic(bootstrap, cfg.topic(t), partitions=1)]
     return got
 
 

@@ -20,13 +20,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 
 from fleetscope import wire
 from fleetscope.broker import EmbeddedBroker
 from fleetscope.config import Config
 from fleetscope.kafka_settings import client_conf
 from fleetscope.schema import node_identity
+from fleetscope.topic_reader import read_topic
 from fleetscope.topics import prepare_topics
 from fleetscope.wire import Batch, StrColumn, encode
 from fleetscope.streams.model_state import JobState
@@ -104,27 +105,10 @@ class Worker:
         release_producer(self.proc.producer)   # as run_streams does: no client left reconnecting
 
 
-def read_topic(bootstrap: str, topic: str) -> list:
-    """Every message of a one-partition topic, in offset order (its end read first, then read up to it)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex[:6]}",
-                         "fetch.wait.max.ms": 10, "enable.auto.commit": False})
-    try:
-        end = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
-        consumer.assign([TopicPartition(topic, 0, 0)])
-        out: list = []
-        deadline = time.monotonic() + 30
-        while len(out) < end:
-            assert time.monotonic() < deadline, f"read {len(out)} of {end} messages of {topic}"
-            out += [m for m in consumer.consume(100, 0.5) if not m.error()]
-        return out
-    finally:
-        consumer.close()
-
-
 def feature_windows(bootstrap: str, cfg: Config) -> Counter:
     """How often each of HOST's windows was published on <prefix>.features."""
     seen: Counter = Counter()
-    for m in read_topic(bootstrap, cfg.topic("features")):
+    for m in read_topic(bootstrap, cfg.topic("features"), partitions=1):
         b = wire.decode(m.value(), m.headers())
         if b.source == "features":
             seen.update(int(s) for s in b.columns["window_start_ns"])

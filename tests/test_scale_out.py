@@ -7,9 +7,10 @@ import time
 from collections import Counter
 
 import numpy as np
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 
 from fleetscope.schema import node_identity
+from fleetscope.topic_reader import read_topic
 from fleetscope.wire import Batch, StrColumn, decode, encode
 from fleetscope.streams.stats_file import read_worker_stats
 
@@ -26,25 +27,14 @@ def host_batch(host: str, ts_ns: int) -> Batch:
 
 def features_on_topic(bootstrap: str, topic: str, partitions: int, hosts: set[str]) -> Counter:
     """(host, window_start_ns) -> how many times the workers published that window."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{time.time_ns()}",
-                         "fetch.wait.max.ms": 10})
-    ends = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in range(partitions)]
-    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-    seen, done = Counter(), [0] * partitions
-    deadline = time.monotonic() + 30
-    while any(d < e for d, e in zip(done, ends)) and time.monotonic() < deadline:
-        for m in consumer.consume(100, 0.5):
-            if m.error():
-                continue
-            done[m.partition()] = m.offset() + 1
-            b = decode(m.value(), m.headers())
-            jobs = [b.columns["job"].values[c] for c in b.columns["job"].codes.tolist()]
-            for job, w in zip(jobs, b.columns["window_start_ns"].tolist()):
-                if job in hosts:
-                    seen[(job, w)] += 1
-    consumer.close()
+    seen = Counter()
+    for m in read_topic(bootstrap, topic, partitions):
+        b = decode(m.value(), m.headers())
+        jobs = [b.columns["job"].values[c] for c in b.columns["job"].codes.tolist()]
+        for job, w in zip(jobs, b.columns["window_start_ns"].tolist()):
+            if job in hosts:
+                seen[(job, w)] += 1
     return seen
-
 
 
 def wait_until_settled(stack, host_prefix: str, sent: int) -> None:
