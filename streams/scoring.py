@@ -118,7 +118,7 @@ class Scorer:
         self.confirmation = AlertConfirmation(*parse_confirm(cfg.alert_confirm), window_ns=int(cfg.window_s * 1e9))
         self.drift = MemoryDrift(warmup=self.model_config.warmup_windows)   # start-up growth is not a leak
         self.job_rates = JobRates(warmup=max(self.model_config.warmup_windows, 5),
-                                  regime_windows=self.model_config.regime_windows)
+                                  regime_windows=self.model_config.slowdown_regime_windows)
         self.stats = ScoringStats()
 
     # ---- models ---------------------------------------------------------------

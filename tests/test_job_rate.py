@@ -32,3 +32,22 @@ def test_a_job_slowed_by_its_stalled_rank_is_flagged_and_its_recovery_is_not():
     after = [k for k in range(61, 91) if flagged.get(k)]
     assert not after, after
     assert not any(flagged.get(k) for k in range(0, 29))
+
+
+def test_with_the_scorers_default_a_slowdown_stays_flagged_while_it_lasts():
+    """The worker's job rates accept a slow rate as the job's normal only after slowdown_regime_windows: the
+    whole 30 s stall is flagged, not its first 20 windows (regime_windows, as before: the alarm ended while the
+    job still ran at a quarter of its rate), and the recovery still is not."""
+    from fleetscope.streams.model import ModelConfig
+    doc = json.loads(gzip.open(RECORDED, "rt").read())
+    rates = JobRates(warmup=15, regime_windows=ModelConfig().slowdown_regime_windows)
+    flagged = {}
+    for w in doc["windows"]:
+        result = rates.step(("acme", "train"), round((1000 + w["t_s"]) * 1e9), [v for _, v in w["ranks"]])
+        if result is not None:
+            flagged[round(w["t_s"])] = result.flagged
+    stall = [k for k in range(31, 60) if k in flagged]
+    assert sum(flagged[k] for k in stall) >= len(stall) - 2, [k for k in stall if not flagged[k]]
+    assert sum(flagged.get(k, False) for k in range(52, 60)) >= 6     # past the old 20-window cut
+    assert not [k for k in range(61, 91) if flagged.get(k)]
+    assert rates.counts["regimes"] == 0

@@ -48,3 +48,27 @@ def test_a_short_warm_up_alarms_at_the_nominal_risk_with_the_default_widening():
     plain, widened = np.mean(rates[0.0]), np.mean(rates[ModelConfig().tail_uncertainty])
     assert plain > 2.5 * risk
     assert 0.5 * risk <= widened <= 1.5 * risk
+
+
+def test_one_window_where_every_rank_jumped_does_not_lift_a_warm_up_that_trends():
+    """The shape a dev job_wide_slowdown run calibrated on (3 ranks, 10 windows): scores falling from 4 to -4 as
+    the mixture learns, and one window where every rank scored 26. Capped around the median, the trend's spread
+    let the jump through and the threshold was ~170, above the fault's scores (~30); around the trend it is not."""
+    falling = np.linspace(4.4, -3.8, 30) + np.tile([0.1, -0.1, 0.0], 10)
+    jumped = falling.copy()
+    jumped[18:21] = 26.0
+
+    def threshold(scores, detrend):
+        t = DSpot(risk=5e-4, level=0.9, depth=200, tail_uncertainty=1.0, warm_detrend=detrend)
+        t.warm(scores)
+        t.calibrate()
+        return t.threshold()
+
+    assert threshold(jumped, detrend=False) > 100                  # the failure, as measured
+    assert threshold(jumped, detrend=True) < 30
+    # a clean warm-up calibrates as before, and a fault's scores still alarm
+    assert threshold(falling, True) < 10 and threshold(falling, False) < 10
+    t = DSpot(risk=5e-4, level=0.9, depth=200, tail_uncertainty=1.0)
+    t.warm(jumped)
+    t.calibrate()
+    assert t.step(np.array([40.0, -4.0])).tolist() == [True, False]

@@ -33,10 +33,14 @@ class ModelConfig:
     risk: float = 5e-4                # DSPOT: tail probability of an alarm, per score
     tail_level: float = 0.9           # DSPOT: initial quantile that defines the peaks (low: few warm-up scores)
     dspot_depth: int = 200            # DSPOT: scores in the moving level (0: plain SPOT)
+    warm_detrend: bool = True         # DSPOT: cap warm-up outliers around the warm-up's trend, not its median
     tail_uncertainty: float = 1.0     # DSPOT: widen the tail's scale by (1 + this / sqrt(peaks)), its standard
                                       # error: from a 45-score warm-up plain DSPOT alarmed at ~4x its risk (simulated)
     anomaly_weight: float = 0.0       # learning weight of a flagged row (0: not learned)
     regime_windows: int = 20          # most ranks flagged this many windows in a row: learn it as the new normal
+    slowdown_regime_windows: int = 300  # the job's rate or OFU below its history this many windows in a row: its
+                                      # new normal (job_rate.py). Until then a slowdown stays flagged: at 20, a
+                                      # dev job_wide_slowdown's alarm ended 20 s into its 40 s at -41%
     rejoin_windows: int = 20          # a feature usable only after thresholds started warming joins the score
                                       # after this many windows, with thresholds recalibrated (FeatureAdmission)
     # peers

@@ -71,7 +71,8 @@ class JobModel:
 
     def _new_threshold(self) -> DSpot:
         c = self.config
-        return DSpot(risk=c.risk, level=c.tail_level, depth=c.dspot_depth, tail_uncertainty=c.tail_uncertainty)
+        return DSpot(risk=c.risk, level=c.tail_level, depth=c.dspot_depth, tail_uncertainty=c.tail_uncertainty,
+                     warm_detrend=c.warm_detrend)
 
     def _grow(self, d: int) -> None:
         self.scaler.grow(d)

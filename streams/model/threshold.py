@@ -20,6 +20,15 @@ threshold 4.8e5 against healthy scores near 0 and a fault at 354). Calibration
 therefore caps warm-up scores at median + ``warm_clip_mads`` robust deviations
 (1.4826 * MAD) first, as the stream never learns an alarm either.
 
+Both are taken around the warm-up's trend (``warm_detrend``), not its level:
+warm-up scores fall as the mixture learns, and a spread read around one level
+holds that fall. Measured on the dev scenario ``job_wide_slowdown``: 30 scores
+falling from 4 to -4, with one window where every rank scored 26, capped at
+37 (no cap), and the threshold fitted on that window's peaks was 165, above
+the fault's scores (about 30). The trend is the median slope between each
+score and the one half the warm-up later (robust to a quarter of outliers,
+O(n)); the cap is that line + ``warm_clip_mads`` deviations of the residuals.
+
 With few peaks the fitted scale is itself uncertain (its standard error is
 about sigma / sqrt(N_peaks)), and a threshold read from a 45-score warm-up
 alarmed at about 4x its risk on simulated healthy scores. ``tail_uncertainty``
@@ -40,8 +49,9 @@ import numpy as np
 class DSpot:
     def __init__(self, risk: float = 1e-3, level: float = 0.98, depth: int = 200,
                  max_peaks: int = 2000, max_init: int = 5000, gamma_min: float = 0.0,
-                 warm_clip_mads: float = 10.0, tail_uncertainty: float = 0.0):
+                 warm_clip_mads: float = 10.0, tail_uncertainty: float = 0.0, warm_detrend: bool = True):
         self.gamma_min = gamma_min
+        self.warm_detrend = warm_detrend
         self.tail_uncertainty = tail_uncertainty
         self.warm_clip_mads = warm_clip_mads
         self.risk = risk
@@ -83,6 +93,22 @@ class DSpot:
             self.z = self.u + sigma / self.gamma * (ratio ** -self.gamma - 1.0)
         self.z = max(self.z, self.u)
 
+    def _warm_cap(self, x: np.ndarray) -> np.ndarray | float:
+        """Per warm-up score, the most it may count for: its trend line (or the median) + warm_clip_mads
+        robust deviations of the scores around it; +inf where they do not spread."""
+        level: np.ndarray | float = float(np.median(x))
+        if self.warm_detrend and x.size >= 4:
+            half = x.size // 2
+            slope = float(np.median((x[half:2 * half] - x[:half]) / half))
+            i = np.arange(x.size)
+            level = slope * i + float(np.median(x - slope * i))
+        resid = x - level
+        centre = float(np.median(resid))
+        spread = 1.4826 * float(np.median(np.abs(resid - centre)))
+        if spread <= 0:
+            return np.inf
+        return level + centre + self.warm_clip_mads * spread
+
     # -------------------------------------------------------------- public
     @property
     def calibrated(self) -> bool:
@@ -100,10 +126,8 @@ class DSpot:
         x = self.init
         if x.size < 10:
             raise ValueError(f"DSPOT needs at least 10 warm-up scores to calibrate, got {x.size}")
-        med = float(np.median(x))
-        spread = 1.4826 * float(np.median(np.abs(x - med)))
-        if spread > 0 and self.warm_clip_mads > 0:
-            x = np.minimum(x, med + self.warm_clip_mads * spread)
+        if self.warm_clip_mads > 0:
+            x = np.minimum(x, self._warm_cap(x))
         if self.depth:
             # de-trend each score by the mean of the `depth` before it (or all before, at the start)
             c = np.concatenate([[0.0], np.cumsum(x)])
