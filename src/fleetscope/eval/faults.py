@@ -36,11 +36,12 @@ Honest notes:
   kind cannot degrade gloo's all-reduce. See benchmarks/scenarios/network_degradation.yaml.
   It is therefore never scored on ddp_cpu (UNSCORED); on the GPU stand-in, whose ring goes
   through relays, it is real and scored.
-- Not made here at all: NUMA misplacement (a one-node VM has one NUMA node), and the NVML side
-  of GPU faults (throttle reasons, power capping, XID events, ECC errors): the fake NVML
-  library reads its script once at nvmlInit and the evaluation stack does not load it, so those
-  signals cannot change in the middle of a run. gpu_throttle makes only the workload side real
-  (slower kernels); the detector sees no throttle reason.
+- Not made here at all: NUMA misplacement (a one-node VM has one NUMA node).
+- The NVML side of GPU faults is a stand-in: a scenario that requires `nvml_standin` runs the
+  agent against the scripted NVML (eval/nvml_standin.py), whose control file changes mid-run.
+  There gpu_throttle also reports a throttle reason, a lower SM clock and a hot die for the
+  rank's GPU (GpuThrottle). Without it, gpu_throttle makes only the workload side real
+  (slower kernels), and the detector sees no throttle reason.
 - irq_affinity on this VM moves virtio IRQs (disk, network); there is no real NIC. Some IRQs
   refuse a new mask (managed IRQs: EIO); those are skipped, and if none moves the fault fails
   rather than running as a no-op.
@@ -438,6 +439,39 @@ class WorkloadKnob(Fault):
         return {"kind": self.kind, "file": str(self.path), self.knob: self.settings}
 
 
+class GpuThrottle(Fault):
+    """gpu_throttle with the NVML stand-in loaded: the rank's kernels slow down (the workload's knob) and NVML
+    says why, as on a clock-capped GPU: a power-cap and thermal throttle reason, the SM clock lowered by the
+    same factor as the kernels, a hot die."""
+    kind = "gpu_throttle"
+
+    def __init__(self, knob: WorkloadKnob, nvml, rank: int):
+        super().__init__()
+        from fleetscope.eval.nvml_standin import throttled_values
+        self.knob, self.nvml, self.rank = knob, nvml, rank
+        self.owner = f"gpu_throttle:rank{rank}"
+        self.values = throttled_values(knob.settings["kernel_slowdown"])
+
+    def start(self) -> None:
+        self.knob.start()
+        try:
+            self.nvml.override(self.owner, self.rank, **self.values)
+        except BaseException:
+            self.knob.stop()
+            raise
+        super().start()
+
+    def stop(self) -> None:
+        try:
+            self.nvml.clear(self.owner)
+        finally:
+            self.knob.stop()
+            super().stop()
+
+    def describe(self) -> dict:
+        return {**self.knob.describe(), "nvml": {"gpu": self.rank, **self.values}}
+
+
 class LinkDelay(Fault):
     """Add latency and a bandwidth cap to a relay the rank's traffic already goes through."""
     kind = "link_delay"
@@ -617,9 +651,11 @@ class ThpOff(Fault):
 
 def make_fault(kind: str, *, pid: int | None = None, rank: int | None = None, strength: float = 1.0,
                params: dict | None = None, control_dir: Path | None = None,
-               relay: DelayRelay | None = None, outside: bool = False) -> Fault:
+               relay: DelayRelay | None = None, outside: bool = False, nvml=None) -> Fault:
     """Build the injector for one target of a scenario's fault (pid: that rank's process).
-    outside=True: a process beside the job, touching none of its ranks (competing_load only)."""
+    outside=True: a process beside the job, touching none of its ranks (competing_load only).
+    nvml: the run's NVML stand-in (eval/nvml_standin.py), where the scenario loads one: a GPU fault then
+    changes what NVML reports of the rank's GPU too."""
     params = dict(params or {})
 
     def need(what, value):
@@ -634,8 +670,9 @@ def make_fault(kind: str, *, pid: int | None = None, rank: int | None = None, st
             raise FaultError(f"fault {kind!r} cannot run outside the job; only competing_load can")
         return CompetingLoad(None, strength, **{"pin_rank": False, **params})
     if kind in KNOB_KINDS:
-        return WorkloadKnob(kind, need("control_dir (the workload's FLEETSCOPE_WORKLOAD_CONTROL_DIR)", control_dir),
+        knob = WorkloadKnob(kind, need("control_dir (the workload's FLEETSCOPE_WORKLOAD_CONTROL_DIR)", control_dir),
                             need("rank", rank), strength, params)
+        return GpuThrottle(knob, nvml, rank) if kind == "gpu_throttle" and nvml is not None else knob
     if kind == "link_delay":
         return LinkDelay(need("relay", relay), strength, **params)
     if kind == "thp_off":

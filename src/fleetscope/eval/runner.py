@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -86,6 +87,8 @@ def check_requirements(s: Scenario) -> None:
                 if why:
                     raise ScenarioSkipped(f"{why}, so a memory limit would not reach the rank's pages "
                                           "and the fault would do nothing")
+        if req == "nvml_standin" and shutil.which("gcc") is None:
+            raise ScenarioSkipped("gcc is needed to build the NVML stand-in (gpu_stub/fake_nvml.c)")
         if req == "gpu_standin":
             from fleetscope.eval import standin_workload
             why = standin_workload.unavailable()
@@ -141,6 +144,7 @@ class Run:
         self.workload_may_end = False            # after a crash the job ends, as torchrun ends it
         self.timeline: dict[str, float | None] = {}
         self.busy = None
+        self.nvml = None                         # the NVML stand-in, for scenarios that require it
         self.log = opts.progress
 
     # ---- phases ---------------------------------------------------------------
@@ -155,6 +159,12 @@ class Run:
     def start_stack(self) -> None:
         from fleetscope.eval.stack import EvalStack
         self.log(f"[{self.s.name}] starting the embedded stack in {self.data_dir}")
+        if "nvml_standin" in self.s.requires:
+            from fleetscope.eval.nvml_standin import NvmlStandin
+            self.nvml = NvmlStandin(self.data_dir / "nvml", self.ranks).build()
+            os.environ.update(self.nvml.env())   # the agent runs on a thread of this process
+            self.cfg = replace(self.cfg, nvml_library=str(self.nvml.library))
+            self.log(f"[{self.s.name}] NVML stand-in: {self.ranks} fake GPUs, {self.nvml.library}")
         self.stack = EvalStack(self.cfg).start()
         t = time.monotonic()
         try:
@@ -203,6 +213,8 @@ class Run:
                                    site_packages=venv_site_packages() if python else None,
                                    env=env, run_id=self.job, log_path=log)
         self.pids = self.workload.rank_pids(timeout_s=120)
+        if self.nvml is not None:
+            self.nvml.set_processes(self.pids)
         self.log(f"[{self.s.name}] workload {self.s.workload} running as job {self.job}: "
                  + ", ".join(f"rank {r} pid {p}" for r, p in sorted(self.pids.items())))
 
@@ -289,7 +301,7 @@ class Run:
         if f.kind in NODE_WIDE_KINDS:
             return [make_fault(f.kind, strength=f.strength, params=f.params)]
         return [make_fault(f.kind, pid=self.pids[r], rank=r, strength=f.strength, params=f.params,
-                           control_dir=self.control_dir, relay=relay) for r in f.ranks]
+                           control_dir=self.control_dir, relay=relay, nvml=self.nvml) for r in f.ranks]
 
     def fault_prime(self, i: int) -> None:
         """Build fault i's injectors PRIME_LEAD_S before it starts and prime them all at once, so what they
@@ -422,7 +434,8 @@ class Run:
         steps = [(f"fault {i}", lambda inj=inj: inj.stop()) for i, injs in self.active.items() for inj in injs]
         steps += [("workload", lambda: self.workload and self.workload.stop()),
                   ("stack", lambda: self.stack and self.stack.stop()),
-                  ("busy loops", lambda: self.busy and self.busy.stop())]
+                  ("busy loops", lambda: self.busy and self.busy.stop()),
+                  ("NVML stand-in", lambda: self.nvml and self.nvml.release())]
         for what, fn in steps:
             try:
                 fn()
@@ -430,7 +443,6 @@ class Run:
                 errors.append(f"{what}: {e}")
         self.active.clear()
         if self._tmp and not self.opts.keep_data:
-            import shutil
             shutil.rmtree(self._tmp, ignore_errors=True)
         if errors:
             raise RuntimeError("cleanup failed: " + "; ".join(errors))

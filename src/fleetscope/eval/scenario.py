@@ -10,6 +10,9 @@ detector should find for each fault. Every error names the file and the field:
     duration_s: 120
     window_s: 1
     warmup_windows: 15           # optional: the model's warm-up before the scenario clock starts
+    requires: [gpu_standin, nvml_standin]   # what the run needs: gpu_standin (that workload), nvml_standin
+                                 # (the agent samples a scripted NVML, one GPU per rank, that faults change),
+                                 # root, cgroup_cpu, cgroup_memory; a run whose needs are not met is skipped
     workload_args: {sleep_ms: 20}           # every rank
     rank_args: {2: {batch: 128}}            # one rank differs by design from the start
     phases:                                 # ddp_cpu only
@@ -53,7 +56,7 @@ FAULT_KINDS = ("cpu_quota", "competing_load", "memory_pressure", "softirq_storm"
 DDP_ONLY_KINDS = {"gc_storm", "dataloader_stall", "hang"}
 STANDIN_ONLY_KINDS = {"memcpy_stall", "gpu_memory_leak", "gpu_throttle"}
 OUTSIDE_KINDS = {"competing_load"}  # kinds that can run as a process outside the job
-REQUIREMENTS = ("gpu_standin", "root", "cgroup_cpu", "cgroup_memory")
+REQUIREMENTS = ("gpu_standin", "nvml_standin", "root", "cgroup_cpu", "cgroup_memory")
 SCOPES = ("rank", "job", "node")
 EVENT_KINDS = ("restart",)
 # every entry the shipped KB holds (the KB loader requires each file to be named after its entry)

@@ -3,13 +3,17 @@
  * It exports just the NVML entry points that producers/nvml calls, with
  * NVML's real return codes and struct layouts (matched to pynvml's ctypes
  * structs), and answers from a scenario file whose path is read from
- * $FAKE_NVML_SCENARIO when the first nvmlInit happens. The grammar is in
- * README.md next to this file. Build:
+ * $FAKE_NVML_SCENARIO when the first nvmlInit happens. A second file,
+ * $FAKE_NVML_CONTROL, is watched while the library is in use: its lines
+ * override the scenario's until it changes again (a fault that starts
+ * mid-run). The grammar is in NVML_README.md next to this file. Build:
  *     gcc -shared -fPIC -O1 -o libnvidia-ml.so.1 fake_nvml.c
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -76,7 +80,9 @@ typedef struct { unsigned version, isSupportedDevice; } nvmlGpmSupport_t;
 #define EVENT_XID 0x8ULL /* nvmlEventTypeXidCriticalError */
 
 static struct nvmlDevice_st gpus[MAX_GPUS];
+static struct nvmlDevice_st scripted[MAX_GPUS]; /* the scenario as read: what a control change starts from */
 static int device_count, init_error, refcount;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER; /* the control reload and the Xid queue */
 static struct { int unused; } the_event_set;
 
 static double next_value(series *s) { return s->v[s->next < s->n ? s->next++ : s->n - 1]; }
@@ -114,7 +120,10 @@ static void scenario_line(char *line) {
         char err[64];
         if (sscanf(rest, "%u %63s", &d->field_fail[d->nfield_fail].id, err) == 2)
             d->field_fail[d->nfield_fail++].code = error_code(err);
-    } else if (!strcmp(what, "xid") && d->nxid < MAX_ITEMS) d->xid[d->nxid++] = strtoull(rest, NULL, 10);
+    } else if (!strcmp(what, "xid")) {
+        if (d->next_xid == d->nxid) d->next_xid = d->nxid = 0; /* all delivered: the queue starts over */
+        if (d->nxid < MAX_ITEMS) d->xid[d->nxid++] = strtoull(rest, NULL, 10);
+    }
     else if (!strcmp(what, "proc") && d->nproc < MAX_ITEMS) {
         sscanf(rest, "%u %lf", &d->proc[d->nproc].pid, &d->proc[d->nproc].mem); d->nproc++;
     } else if (!strcmp(what, "putil") && d->nputil < MAX_ITEMS) {
@@ -129,7 +138,11 @@ static void scenario_line(char *line) {
         char key[64], err[64];
         if (sscanf(rest, "%63s %63s", key, err) == 2 && key_index(key) >= 0) d->fail[key_index(key)] = error_code(err);
         else fprintf(stderr, "fake_nvml: bad fail line for gpu %d: %s\n", i, rest);
-    } else if (key_index(what) >= 0) read_series(&d->val[key_index(what)], rest);
+    } else if (key_index(what) >= 0) {
+        series *v = &d->val[key_index(what)];
+        v->n = v->next = 0; /* a later line for the same key replaces the earlier one */
+        read_series(v, rest);
+    }
     else fprintf(stderr, "fake_nvml: unknown key '%s' for gpu %d\n", what, i);
 }
 
@@ -147,12 +160,62 @@ static int load_scenario(void) {
     while (fgets(line, sizeof line, f)) scenario_line(line);
     fclose(f);
     if (device_count > MAX_GPUS) device_count = MAX_GPUS;
+    memcpy(scripted, gpus, sizeof gpus);
     return init_error;
+}
+
+/* The control file, re-read when it changes (stat()ed at most every 100 ms). Each change starts again from
+ * the scenario's values, process lists and failures, then applies the file's `gpu N ...` lines; its `xid`
+ * lines are delivered once per change. A GPU's tick count, loss, registrations and Xid queue carry on. */
+static struct { int exists; long long mtime_ns; long long size; long long checked_ns; } control;
+
+static long long now_ns(int clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void reload_control(void) {
+    const char *path = getenv("FAKE_NVML_CONTROL");
+    if (!path) return;
+    pthread_mutex_lock(&lock);
+    long long now = now_ns(CLOCK_MONOTONIC);
+    if (now - control.checked_ns < 100000000LL) { pthread_mutex_unlock(&lock); return; }
+    control.checked_ns = now;
+    struct stat st;
+    int exists = stat(path, &st) == 0;
+    long long mtime = exists ? (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec : 0;
+    long long size = exists ? (long long)st.st_size : 0;
+    if (exists == control.exists && mtime == control.mtime_ns && size == control.size) {
+        pthread_mutex_unlock(&lock);
+        return;
+    }
+    control.exists = exists; control.mtime_ns = mtime; control.size = size;
+    for (int i = 0; i < MAX_GPUS; i++) {
+        struct nvmlDevice_st *d = &gpus[i], *s = &scripted[i];
+        memcpy(d->val, s->val, sizeof d->val);
+        memcpy(d->fail, s->fail, sizeof d->fail);
+        d->nproc = s->nproc; memcpy(d->proc, s->proc, sizeof d->proc);
+        d->nputil = s->nputil; memcpy(d->putil, s->putil, sizeof d->putil);
+    }
+    FILE *f = exists ? fopen(path, "r") : NULL;
+    if (f) {
+        char line[1024];
+        int saved_count = device_count, saved_error = init_error;
+        while (fgets(line, sizeof line, f)) scenario_line(line);
+        device_count = saved_count; init_error = saved_error; /* only per-GPU lines take effect here */
+        fclose(f);
+    }
+    pthread_mutex_unlock(&lock);
 }
 
 int nvmlInitWithFlags(unsigned flags) {
     (void)flags;
-    if (refcount == 0) { int r = load_scenario(); if (r != OK) return r; }
+    if (refcount == 0) {
+        memset(&control, 0, sizeof control); /* a new session applies the control file afresh */
+        int r = load_scenario();
+        if (r != OK) return r;
+    }
     refcount++;
     return OK;
 }
@@ -180,6 +243,7 @@ int nvmlDeviceGetHandleByIndex_v2(unsigned index, nvmlDevice_t *device) {
 /* Common checks for every per-device call, in NVML's order of precedence. */
 static int check(nvmlDevice_t d, int key) {
     if (!refcount) return E_UNINITIALIZED;
+    reload_control();
     if (d < gpus || d >= gpus + device_count) return E_INVALID_ARGUMENT;
     if (d->lost) return E_GPU_IS_LOST;
     return d->fail[key];
@@ -385,14 +449,22 @@ int nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types, nvmlEvent
 int nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned timeout_ms) {
     (void)set;
     if (!refcount) return E_UNINITIALIZED;
-    for (int i = 0; i < device_count; i++) {
-        struct nvmlDevice_st *d = &gpus[i];
-        if ((d->registered & EVENT_XID) && d->next_xid < d->nxid) {
-            data->device = d; data->eventType = EVENT_XID; data->eventData = d->xid[d->next_xid++];
-            data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFFu;
-            return OK;
+    long long deadline = now_ns(CLOCK_MONOTONIC) + (long long)timeout_ms * 1000000LL;
+    do { /* a control file's Xid may arrive while this waits, as a real event would */
+        reload_control();
+        pthread_mutex_lock(&lock);
+        for (int i = 0; i < device_count; i++) {
+            struct nvmlDevice_st *d = &gpus[i];
+            if ((d->registered & EVENT_XID) && d->next_xid < d->nxid) {
+                data->device = d; data->eventType = EVENT_XID; data->eventData = d->xid[d->next_xid++];
+                data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFFu;
+                pthread_mutex_unlock(&lock);
+                return OK;
+            }
         }
-    }
-    usleep(timeout_ms * 1000u);
+        pthread_mutex_unlock(&lock);
+        long long left = deadline - now_ns(CLOCK_MONOTONIC);
+        if (left > 0) usleep((useconds_t)((left < 100000000LL ? left : 100000000LL) / 1000));
+    } while (now_ns(CLOCK_MONOTONIC) < deadline);
     return E_TIMEOUT;
 }
