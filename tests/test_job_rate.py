@@ -51,3 +51,53 @@ def test_with_the_scorers_default_a_slowdown_stays_flagged_while_it_lasts():
     assert sum(flagged.get(k, False) for k in range(52, 60)) >= 6     # past the old 20-window cut
     assert not [k for k in range(61, 91) if flagged.get(k)]
     assert rates.counts["regimes"] == 0
+
+
+JOB_WIDE = Path(__file__).parent / "recorded" / "job_wide_slowdown_step_rates.json"
+
+
+def job_wide_steps():
+    """The job's collective rate per window of the recorded job-wide slowdown (3 ranks alike)."""
+    doc = json.loads(JOB_WIDE.read_text())
+    start, end = doc["fault_windows"]
+    return [[{"torch_collectives_per_s": 2 * x}] * 3 for x in doc["steps_per_s"]], range(start, end)
+
+
+def test_a_noisy_slowdown_keeps_its_alarm_while_its_windows_are_nearer_its_level_than_the_baseline():
+    """Its healthy history holds a dip, so the scale is wide and the slow windows read only -2.3..-4 deviations.
+    Before the change kept its own level, the first of them under z_exit (3) ended the change at window 34 and
+    the history learned the slow rate: 3 of 40 windows flagged (the whole-set run scored recall 0.01)."""
+    steps, fault = job_wide_steps()
+    rates = JobRates(warmup=15, regime_windows=300)
+    flagged, z = {}, {}
+    for k, vectors in enumerate(steps):
+        result = rates.step(("acme", "train"), (1000 + k) * 10**9, vectors)
+        flagged[k], z[k] = result.flagged, result.features.get("job_rate_z", 0.0)   # none in warm-up
+    assert sum(flagged[k] for k in fault) >= len(fault) - 2, [k for k in fault if not flagged[k]]
+    assert any(z[k] > -3 for k in fault)            # the windows the exit deviations alone would have ended on
+    assert not [k for k in flagged if flagged[k] and k not in fault]
+
+
+def test_a_worker_restored_in_the_middle_of_a_slowdown_keeps_its_level():
+    """The change's level travels in the checkpoint; one saved before it existed loads and falls back to the
+    exit deviations alone."""
+    from fleetscope.streams.model import JobModel, ModelConfig
+    steps, fault = job_wide_steps()
+    whole, first = JobRates(warmup=15, regime_windows=300), JobRates(warmup=15, regime_windows=300)
+    job = ("acme", "train")
+    for k in range(36):
+        whole.step(job, (1000 + k) * 10**9, steps[k])
+        first.step(job, (1000 + k) * 10**9, steps[k])
+    model = JobModel(ModelConfig(warmup_windows=5))
+    restored = JobRates(warmup=15, regime_windows=300)
+    JobModel.from_bytes(model.to_bytes({"job_rate": first.part(job)}), {"job_rate": restored.part(job)})
+    for k in range(36, len(steps)):
+        assert restored.step(job, (1000 + k) * 10**9, steps[k]) == whole.step(job, (1000 + k) * 10**9, steps[k])
+
+    meta, arrays = first.state(job)
+    older = {k: v for k, v in meta.items() if not k.endswith("_change_sum")}
+    legacy = JobRates(warmup=15, regime_windows=300)
+    saved = type("Saved", (), {"state": lambda self: (older, arrays)})()
+    JobModel.from_bytes(model.to_bytes({"job_rate": saved}), {"job_rate": legacy.part(job)})
+    assert legacy.jobs[job].rate.change_sum is None and legacy.jobs[job].rate.in_change
+    assert legacy.step(job, 1036 * 10**9, steps[36]) is not None

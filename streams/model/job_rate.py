@@ -25,7 +25,8 @@ job's own past can. Per job step:
   baseline, which accumulates small shifts that no single window shows, and
   flags once the rate is also ``z_exit`` deviations away;
 - while a change lasts the history is frozen (the slowdown is not learned as
-  normal); it ends when the rate is back within ``z_exit`` deviations. After
+  normal); it ends when the rate is back within ``z_exit`` deviations and
+  nearer the healthy baseline than the change's own level (its mean). After
   ``regime_windows`` flagged windows in a row the new rate is accepted as the
   job's new normal (as JobModel does for a new phase).
 
@@ -76,27 +77,44 @@ class JobRateResult:
 
 class OwnHistory:
     """One job series against its own healthy past: a median/MAD baseline, frozen while a change lasts,
-    restarted from the new level after ``regime_windows`` flagged windows in a row."""
+    restarted from the new level after ``regime_windows`` flagged windows in a row. A change also remembers
+    its own level (the mean of its windows), so that one noisy window of a slowdown does not end it."""
 
     def __init__(self, size: int):
         self.values: deque[float] = deque(maxlen=size)
         self.in_change = 0
+        self.change_sum: float | None = 0.0   # the change's windows summed; None: not known (an older checkpoint)
 
     def baseline(self) -> tuple[float, float]:
         return _median_scale(self.values)
+
+    def nearer_change(self, x: float, base: float) -> bool:
+        """While a change lasts: ``x`` is nearer the change's level than the healthy baseline, so the change
+        goes on even where ``x`` alone is within the exit deviations of the baseline. A job slowed by a third
+        whose history holds a healthy dip has a wide scale: in a dev job_wide_slowdown run the slow windows
+        read -2.3..-3.6 deviations, the first one under z_exit ended the change, and the history then learned
+        the slow rate (recall 0.01)."""
+        if not self.in_change or self.change_sum is None:
+            return False
+        level = self.change_sum / self.in_change
+        return abs(x - level) < abs(x - base)
 
     def settle(self, x: float, flagged: bool, regime_windows: int) -> tuple[bool, bool]:
         """Learn ``x`` unless it is part of a change; (still flagged, a new regime was accepted)."""
         if not flagged:
             self.in_change = 0
+            self.change_sum = 0.0
             self.values.append(x)
             return False, False
         self.in_change += 1
+        if self.change_sum is not None:
+            self.change_sum += x
         if self.in_change <= regime_windows:
             return True, False
         self.values.clear()
         self.values.append(x)
         self.in_change = 0
+        self.change_sum = 0.0
         return False, True
 
 
@@ -160,7 +178,8 @@ class JobRates:
         meta = {"newest": self.newest.get(job, -1), "known": st is not None}
         if st is None:
             return meta, {}
-        meta.update(rate_in_change=st.rate.in_change, ofu_in_change=st.ofu.in_change, ph=page_hinkley_state(st.ph))
+        meta.update(rate_in_change=st.rate.in_change, ofu_in_change=st.ofu.in_change, ph=page_hinkley_state(st.ph),
+                    rate_change_sum=st.rate.change_sum, ofu_change_sum=st.ofu.change_sum)
         return meta, {"rate_history": np.array(st.rate.values, dtype=np.float64),
                       "ofu_history": np.array(st.ofu.values, dtype=np.float64)}
 
@@ -178,6 +197,7 @@ class JobRates:
                 arrays.fail(f"{name}_history: {len(values)} values, at most {self.history_len} finite ones")
             hist.values.extend(values.tolist())
             hist.in_change = arrays.count(meta, f"{name}_in_change", 1 << 31)
+            hist.change_sum = arrays.number(meta, f"{name}_change_sum", allow_none=True)   # None: saved before
         st.ph = restore_page_hinkley(meta.get("ph"), self.ph_threshold, arrays)
         self.jobs[job] = st
         self.newest[job] = newest
@@ -225,7 +245,7 @@ class JobRates:
         # on every rank as the rate recovered) is not a fault
         fall = -z
         if st.rate.in_change:
-            flagged = fall >= self.z_exit
+            flagged = fall >= self.z_exit or st.rate.nearer_change(rate, base)
         else:
             flagged = fall >= self.z_enter or (drift and fall >= self.z_exit)
         flagged, regime = st.rate.settle(rate, flagged, self.regime_windows)
@@ -249,7 +269,10 @@ class JobRates:
         z = (ofu - base) / scale
         ratio = ofu / base
         low = ratio <= 1 - self.ofu_min_drop
-        flagged = low and z <= -(self.z_exit if st.ofu.in_change else self.z_enter)
+        if st.ofu.in_change:
+            flagged = (low and z <= -self.z_exit) or st.ofu.nearer_change(ofu, base)
+        else:
+            flagged = low and z <= -self.z_enter
         flagged, regime = st.ofu.settle(ofu, flagged, self.regime_windows)
         self.counts["regimes"] += regime
         self.counts["ofu_flagged"] += flagged
