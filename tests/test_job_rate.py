@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from fleetscope.streams.model.job_rate import JobRates
 
@@ -97,7 +98,20 @@ def test_a_worker_restored_in_the_middle_of_a_slowdown_keeps_its_level():
     meta, arrays = first.state(job)
     older = {k: v for k, v in meta.items() if not k.endswith("_change_sum")}
     legacy = JobRates(warmup=15, regime_windows=300)
-    saved = type("Saved", (), {"state": lambda self: (older, arrays)})()
+    saved = SimpleNamespace(state=lambda: (older, arrays))
     JobModel.from_bytes(model.to_bytes({"job_rate": saved}), {"job_rate": legacy.part(job)})
     assert legacy.jobs[job].rate.change_sum is None and legacy.jobs[job].rate.in_change
     assert legacy.step(job, 1036 * 10**9, steps[36]) is not None
+
+
+def test_a_job_ofu_regression_keeps_its_alarm_through_its_shallower_windows():
+    """The job's OFU uses the same change level (synthetic series: healthy 26-34, a fall entered at 11, then
+    15-17 with windows at 22, 2.7 deviations down). Before, the first window at 22 ended the change and the
+    history learned the regression: 4 of its 12 windows flagged."""
+    healthy = [30, 33, 27, 34, 26, 30, 32, 28, 31, 29] * 3
+    regression = [11, 16, 17, 15, 22, 16, 22, 15, 17, 22, 16, 15]
+    rates = JobRates(warmup=10)
+    flagged = [rates.step(("acme", "train"), (1000 + k) * 10**9, [{"job_gpu_ofu": float(x)}] * 2).ofu_flagged
+               for k, x in enumerate(healthy + regression + [30, 29, 31, 30])]
+    assert flagged[30:42] == [True] * 12
+    assert not any(flagged[:30]) and not any(flagged[42:])

@@ -92,7 +92,7 @@ class OwnHistory:
         """While a change lasts: ``x`` is nearer the change's level than the healthy baseline, so the change
         goes on even where ``x`` alone is within the exit deviations of the baseline. A job slowed by a third
         whose history holds a healthy dip has a wide scale: in a dev job_wide_slowdown run the slow windows
-        read -2.3..-3.6 deviations, the first one under z_exit ended the change, and the history then learned
+        read -2.3..-4 deviations, the first one under z_exit ended the change, and the history then learned
         the slow rate (recall 0.01)."""
         if not self.in_change or self.change_sum is None:
             return False
