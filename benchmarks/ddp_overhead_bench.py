@@ -68,26 +68,18 @@ from fleetscope.eval.overhead import BASE, GOAL_SLOWDOWN_PCT, paired_ratios, rat
 def read_topic(bootstrap: str, topics: list[str]) -> tuple[list, dict[str, int]]:
     """Every batch on these topics so far, decoded, and each topic's message count. The consumer
     lives only for this read: an assigned consumer keeps fetching, and the broker's CPU with it."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+    from confluent_kafka import Consumer, TopicPartition
+
+    from fleetscope.topic_reader import read_to_end
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ddpov-{uuid.uuid4().hex[:8]}",
                          "enable.auto.commit": False, "fetch.wait.max.ms": 5, "log.connection.close": False})
     try:
         meta = consumer.list_topics(timeout=10).topics
-        parts = [TopicPartition(t, p, OFFSET_BEGINNING) for t in topics if t in meta for p in meta[t].partitions]
-        ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=5)[1] for tp in parts}
-        counts = {t: sum(n for (tt, _), n in ends.items() if tt == t) for t in topics if t in meta}
-        want = {k: n for k, n in ends.items() if n > 0}
-        batches = []
-        if want:
-            consumer.assign([tp for tp in parts if (tp.topic, tp.partition) in want])
-            deadline = time.monotonic() + 30
-            while want and time.monotonic() < deadline:
-                for m in consumer.consume(num_messages=1000, timeout=0.5):
-                    if m.error() is None:
-                        batches.append(decode(m.value(), m.headers()))
-                        if m.offset() + 1 >= want.get((m.topic(), m.partition()), 1 << 62):
-                            del want[(m.topic(), m.partition())]
-        return batches, counts
+        parts = [TopicPartition(t, p) for t in topics if t in meta for p in meta[t].partitions]
+        messages: list = []
+        read_to_end(consumer, parts, messages.append, timeout_s=30)  # past tansu's short end (topic_reader)
+        counts = {t: sum(1 for m in messages if m.topic() == t) for t in topics if t in meta}
+        return [decode(m.value(), m.headers()) for m in messages], counts
     finally:
         consumer.close()
 

@@ -4,7 +4,9 @@ import uuid
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from fleetscope.topic_reader import read_to_end, read_topic
+from fleetscope.cli.launcher import EmbeddedStack
+from fleetscope.config import Config
+from fleetscope.topic_reader import read_to_end, read_topic, true_ends
 from fleetscope.topics import ensure_topics
 
 
@@ -29,11 +31,17 @@ def produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
     assert p.flush(30) == 0
 
 
-def test_every_message_of_the_last_batch_is_read_though_the_reported_end_is_short(broker):
+def a_then_bcd(bootstrap: str, partitions: int = 1) -> str:
+    """A new topic holding `a` in one batch, then `b`, `c`, `d` in one more, on partition 0."""
     topic = f"reader-{uuid.uuid4().hex[:6]}"
-    ensure_topics(broker.bootstrap, [topic], partitions=1)
-    produce(broker.bootstrap, topic, [b"a"])
-    produce(broker.bootstrap, topic, [b"b", b"c", b"d"])
+    ensure_topics(bootstrap, [topic], partitions=partitions)
+    produce(bootstrap, topic, [b"a"])
+    produce(bootstrap, topic, [b"b", b"c", b"d"])
+    return topic
+
+
+def test_every_message_of_the_last_batch_is_read_though_the_reported_end_is_short(broker):
+    topic = a_then_bcd(broker.bootstrap)
     consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"g-{uuid.uuid4().hex[:6]}",
                          "enable.auto.commit": False})
     try:
@@ -53,3 +61,30 @@ def test_an_empty_topic_reads_as_nothing(broker):
     topic = f"reader-{uuid.uuid4().hex[:6]}"
     ensure_topics(broker.bootstrap, [topic], partitions=2)
     assert read_topic(broker.bootstrap, topic) == []
+
+
+def test_true_ends_reach_past_the_short_report_on_every_partition_at_once(broker):
+    topic = a_then_bcd(broker.bootstrap, partitions=2)
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"g-{uuid.uuid4().hex[:6]}",
+                         "enable.auto.commit": False})
+    try:
+        ends = true_ends(consumer, [TopicPartition(topic, 0), TopicPartition(topic, 1)])
+    finally:
+        consumer.close()
+    assert ends == {(topic, 0): (0, 4), (topic, 1): (0, 0)}
+
+
+def test_the_stacks_lag_probe_counts_the_tail_of_the_last_batch(broker, tmp_path):
+    """`fleetscope up`'s lag and every drain check read it: 0 must mean every message was committed."""
+    topic = a_then_bcd(broker.bootstrap)
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    committer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group, "enable.auto.commit": False})
+    stack = EmbeddedStack(Config(data_dir=tmp_path, kafka=broker.bootstrap))
+    try:
+        committer.commit(offsets=[TopicPartition(topic, 0, 2)], asynchronous=False)  # a and b done
+        assert stack.lag(group, [topic]) == 2  # the broker's report alone (an end of 2) says 0
+        committer.commit(offsets=[TopicPartition(topic, 0, 4)], asynchronous=False)
+        assert stack.lag(group, [topic]) == 0
+    finally:
+        committer.close()
+        stack.stop()  # started nothing: closes the probe's consumers

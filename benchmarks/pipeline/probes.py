@@ -99,15 +99,19 @@ class CommittedLag:
 
     def __init__(self, bootstrap: str, group: str, topic: str, partitions: int):
         from confluent_kafka import Consumer, TopicPartition
-        self._c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
-                            "log.connection.close": False})
+        conf = {"bootstrap.servers": bootstrap, "enable.auto.commit": False, "log.connection.close": False}
+        self._c = Consumer({**conf, "group.id": group})
+        self._end_reader = Consumer({**conf, "group.id": f"{group}-end-reader", "fetch.wait.max.ms": 10})
         self._tps = [TopicPartition(topic, p) for p in range(partitions)]
 
     def partitions(self) -> list[dict] | None:
+        """`high` is the partition's true end, read (fleetscope.topic_reader.true_ends): tansu reports less."""
+        from fleetscope.topic_reader import true_ends
         try:
+            ends = true_ends(self._end_reader, self._tps, timeout_s=2.0)
             out = []
             for tp in self._c.committed(self._tps, timeout=2.0):
-                low, high = self._c.get_watermark_offsets(tp, timeout=2.0)
+                low, high = ends[(tp.topic, tp.partition)]
                 out.append({"partition": tp.partition, "committed": tp.offset, "low": low, "high": high})
             return out
         except Exception:  # best effort: a probe failure is reported as null
@@ -120,6 +124,7 @@ class CommittedLag:
 
     def close(self) -> None:
         self._c.close()
+        self._end_reader.close()
 
 
 

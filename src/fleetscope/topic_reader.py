@@ -35,6 +35,32 @@ def drain(consumer, on_message: Callable, settle_s: float, deadline: float) -> i
                 taken += 1
 
 
+def true_ends(consumer, tps: list[TopicPartition], settle_s: float = 0.1, timeout_s: float = 5.0) -> dict:
+    """Each partition's (low, end) where end is one past its last record, not the broker's short report.
+
+    The last record batch starts at the reported end - 1; reading from there until a poll of `settle_s`
+    brings nothing shows where it really ends. One read covers every partition, so a probe pays one
+    empty poll, not one per partition. `consumer` is assigned (never subscribed): it joins no group."""
+    deadline = time.monotonic() + timeout_s
+    reported = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=timeout_s) for tp in tps}
+    ends = {key: high for key, (_low, high) in reported.items()}
+    last_batches = [TopicPartition(t, p, high - 1) for (t, p), high in ends.items() if high > 0]
+    if last_batches:
+        consumer.assign(last_batches)
+        try:
+            while time.monotonic() < deadline:
+                batch = consumer.consume(1000, settle_s)
+                if not batch:
+                    break
+                for msg in batch:
+                    if msg.error() is None:
+                        key = (msg.topic(), msg.partition())
+                        ends[key] = max(ends[key], msg.offset() + 1)
+        finally:
+            consumer.unassign()
+    return {key: (reported[key][0], end) for key, end in ends.items()}
+
+
 def read_to_end(consumer, tps: list[TopicPartition], on_message: Callable, timeout_s: float = 30.0,
                 settle_s: float = 0.5) -> None:
     """Assign `tps` from their first offset and hand `on_message` every message up to the end (see above)."""

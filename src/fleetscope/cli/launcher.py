@@ -324,26 +324,37 @@ class EmbeddedStack:
 
     def lag(self, group: str, topics: list[str]) -> int | None:
         """Messages not yet committed by `group` on `topics`, summed over partitions; None if Kafka did not say.
-        The probe never joins the group (it only reads committed offsets), so it moves no partition."""
-        from confluent_kafka import Consumer, TopicPartition
-        consumer = self._lag_consumers.get(group)
-        if consumer is None:
-            from fleetscope.kafka_settings import client_conf
-            consumer = self._lag_consumers[group] = Consumer(client_conf(
-                self.cfg, self.cfg.kafka, **{"group.id": group, "enable.auto.commit": False,
-                                             "client.id": "fleetscope-lag-probe"}))
+        The probe never joins the group (it only reads committed offsets), so it moves no partition. The ends are
+        read, not taken from the broker's report, which on tansu stops short of the last batch (topic_reader)."""
+        from confluent_kafka import TopicPartition
+
+        from fleetscope.topic_reader import true_ends
+        consumer = self._probe_consumer(group)
+        reader = self._probe_consumer(None)
         try:
             meta = consumer.list_topics(timeout=2.0)
             tps = [TopicPartition(t, p) for t in topics if t in meta.topics for p in meta.topics[t].partitions]
+            ends = true_ends(reader, tps, timeout_s=2.0)
             total = 0
             for tp in consumer.committed(tps, timeout=2.0):
-                low, high = consumer.get_watermark_offsets(tp, timeout=2.0)
-                # max(0, …): tansu was seen reporting a high watermark one below an offset already consumed
-                # and committed (a topic whose producer sent two messages at once); that is no lag
-                total += max(0, high - (tp.offset if tp.offset >= 0 else low))
+                low, end = ends[(tp.topic, tp.partition)]
+                total += max(0, end - (tp.offset if tp.offset >= 0 else low))
             return total
         except Exception:  # best effort: a status probe must never take the stack down
             return None
+
+    def _probe_consumer(self, group: str | None):
+        """One consumer per group, kept: `group` None is the end reader's, of a group it never commits to."""
+        from confluent_kafka import Consumer
+        key = group or ""
+        consumer = self._lag_consumers.get(key)
+        if consumer is None:
+            from fleetscope.kafka_settings import client_conf
+            consumer = self._lag_consumers[key] = Consumer(client_conf(
+                self.cfg, self.cfg.kafka, **{"group.id": group or f"fleetscope-end-reader-{os.getpid()}",
+                                             "enable.auto.commit": False, "fetch.wait.max.ms": 10,
+                                             "client.id": "fleetscope-lag-probe"}))
+        return consumer
 
     def worker_lag(self) -> int | None:
         return self.lag(self.cfg.consumer_group, [self.cfg.raw_topic(s) for s in RAW_SOURCES])
