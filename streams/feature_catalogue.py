@@ -16,7 +16,7 @@ from fleetscope.streams.host_features import CPU_STATES
 from fleetscope.streams.proc_features import GAUGES, RATES
 from fleetscope.streams.trace_features import COLLECTIVES, TORCH_CLASSES
 
-_CPU = ("cpu_busy_frac", "cpu_busy_max_core_frac",
+_CPU = ("cpu_busy_frac", "cpu_busy_cores", "cpu_busy_max_core_frac",
         *(f"cpu_{s}_frac" for s in CPU_STATES if s not in ("nice", "idle")))
 _MEMORY = ("mem_used_frac", "thp_coverage_frac", "hugepages_used_frac", "numa_miss_ratio", "page_faults_per_s",
            "major_faults_per_s")
@@ -89,7 +89,10 @@ NOT_MODEL_INPUTS = CATEGORICAL_FEATURES | EVENT_FEATURES | STEP_FEATURES
 PEER_Z_FEATURES = (RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES) - NOT_MODEL_INPUTS
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
 JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio", "job_ofu_ratio"))
+# Derived by the scorer per host of a job step (streams/model/outside_load.py): the host's busy CPU less the
+# job's ranks' own, against the (job, host)'s history; on every rank of that host.
+OUTSIDE_FEATURES = frozenset(("outside_cpu_cores", "outside_cpu_z", "outside_cpu_rise_cores"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.
 DRIFT_FEATURES = frozenset(("cuda_mem_growth_bytes_per_s", "proc_rss_growth_bytes_per_s"))
 ALL_FEATURES = (RANK_FEATURES | NODE_FEATURES | RANK_JOIN_FEATURES | LOUD_FEATURES | JOB_GPU_FEATURES | JOB_FEATURES
-                | DRIFT_FEATURES | STEP_FEATURES)
+                | OUTSIDE_FEATURES | DRIFT_FEATURES | STEP_FEATURES)

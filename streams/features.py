@@ -14,14 +14,15 @@ from fleetscope.streams.stack_signature import top_frame_features
 from fleetscope.streams.trace_features import cuda_features, nccl_features, python_features, torch_features
 from fleetscope.streams.windows import Window
 
-FEATURE_VERSION = 10  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*);
+FEATURE_VERSION = 11  # 2: CUDA, NCCL, Python and PyTorch features; 3: per-process /proc features (proc_*);
 #                      4: gloo collective waits (torch_comm_wait_frac, torch_work_wait_frac, torch_comm_waits_per_s);
 #                      5: cuda_pinned_live_bytes, python_top_func_share from py-spy samples without USDT;
 #                      6: nccl_sync_wait_frac (the first sync after a collective);
 #                      7: process_exit_abnormal, process_exit_signal (a rank's crashed process);
 #                      8: nccl_arrival_lag_s, nccl_arrival_wait_frac (across a step's ranks, streams/arrival.py);
 #                      9: those renamed arrival_lag_s, arrival_wait_frac: gloo's marks feed them too;
-#                      10: torch_collectives_per_s (gloo collectives issued, from the always-on marks)
+#                      10: torch_collectives_per_s (gloo collectives issued, from the always-on marks);
+#                      11: cpu_busy_cores (the host's busy CPU in cores, for model/outside_load.py)
 BUILDERS = (host_features, gpu_features, kernel_features, proc_features, cuda_features, nccl_features,
             python_features, top_frame_features, torch_features, exit_features)
 

@@ -35,6 +35,8 @@ def _cpu(w: Window, out: dict) -> None:
         return
     idle = secs["idle"].delta_sum + secs["iowait"].delta_sum
     out["cpu_busy_frac"] = 1.0 - idle / total
+    # CPU seconds per second: the cores kept busy, which model/outside_load.py sets against the ranks' own
+    out["cpu_busy_cores"] = (total - idle) / (secs["idle"].interval_ns / 1e9)
     for state in ("user", "system", "iowait", "steal", "irq", "softirq"):
         out[f"cpu_{state}_frac"] = secs[state].delta_sum / total
     per_cpu: dict[str, list[float]] = {}

@@ -43,6 +43,7 @@ from fleetscope.streams.model.confirmation import UNCONFIRMED, AlertConfirmation
 from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
 from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
+from fleetscope.streams.model.outside_load import OutsideLoad
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
 from fleetscope.streams.model.roles import (CULPRIT, JOB, NODE, WAITING, assign_roles, differs_from_peers,
                                             explains_slowdown, last_arrivers)
@@ -86,6 +87,7 @@ class ScoringStats:
     job_alike_unflagged: int = 0  # rank-windows flagged alike across a whole step, left to job_rate
     node_not_attributed: int = 0  # rank-windows of a flagged node window left as they were (see _attribute_node)
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
+    outside_flags: int = 0  # rank-windows flagged for load from outside the job on their host (model/outside_load.py)
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     job_named_by_arrival: int = 0  # of those, steps whose culprits the order of arrival named (roles.last_arrivers)
     job_named_by_locality: int = 0  # of those, steps whose culprits their CPUs' interrupt work named (model/locality.py)
@@ -119,6 +121,8 @@ class Scorer:
         self.drift = MemoryDrift(warmup=self.model_config.warmup_windows)   # start-up growth is not a leak
         self.job_rates = JobRates(warmup=max(self.model_config.warmup_windows, 5),
                                   regime_windows=self.model_config.slowdown_regime_windows)
+        self.outside = OutsideLoad(warmup=max(self.model_config.warmup_windows, 5),
+                                   regime_windows=self.model_config.slowdown_regime_windows)
         self.stats = ScoringStats()
 
     # ---- models ---------------------------------------------------------------
@@ -137,7 +141,7 @@ class Scorer:
         if tenant == NODE_TENANT:
             return {}
         return {"job_rate": self.job_rates.part((tenant, job)), "drift": self.drift.part((tenant, job)),
-                "confirmation": self.confirmation.part((tenant, job))}
+                "confirmation": self.confirmation.part((tenant, job)), "outside_load": self.outside.part((tenant, job))}
 
     def config_for(self, tenant: str) -> ModelConfig:
         """A node's model has one row per window: a longer warm-up (model/node.py)."""
@@ -289,6 +293,12 @@ class Scorer:
         if rate is not None and rate.ofu_flagged and self._flag_job(results, roles, loud_rows, explained, "job_ofu",
                                                                     "job_ofu_ratio", rate.features, evidence):
             self.stats.job_ofu_flags += 1
+        ratio = rate.features.get("job_iteration_time_ratio") if rate is not None else None
+        outside = self.outside.step((tenant, job), start, [w.key[2] for w, _ in members], evidence, ratio)
+        for i, (w, _) in enumerate(members):
+            if w.key[2] in outside:
+                evidence[i].update(outside[w.key[2]].features)
+        self._flag_outside(outside, members, results, roles, loud_rows, explained, evidence, ratio)
         self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z, evidence)
         self._unflag_job_alike(results, roles, loud_rows)
         self._confirm(members, start, results, roles, loud_rows)
@@ -364,6 +374,34 @@ class Scorer:
                 explained[i] = {**node.contributions, **explained.get(i, {})}
                 joined_z[i] = {**joined_z[i], **node.history_z}   # the node against its own past
                 self.stats.node_attributed += 1
+
+    def _flag_outside(self, outside, members, results, roles, loud_rows, explained, evidence, ratio) -> None:
+        """A host whose load from outside the job rose while the job slowed (model/outside_load.py) flags its
+        ranks, role node, the outside load their explanation. Unless a rank is already named: when a peer
+        waits for a culprit, or a minority of culprits differs from its peers, the more specific story stands
+        (its own diagnosis says why). When the order of arrival names the ranks the others wait for (a
+        neighbour pinned beside one rank), those are the culprits and the rest wait, as for the job's rate."""
+        hosts = {h for h, v in outside.items() if v.flagged}
+        if not hosts or any(r == WAITING for r in roles):
+            return
+        culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
+        if (culprit_rows and 2 * len(culprit_rows) < len(results)
+                and any(differs_from_peers(results[i].detectors) for i in culprit_rows)):
+            return
+        late = last_arrivers(evidence)
+        if late is not None and not explains_slowdown(evidence, late, ratio):
+            late = None
+        for i, (w, _) in enumerate(members):
+            if i in loud_rows or not results[i].warm or (late is None and w.key[2] not in hosts):
+                continue
+            verdict = outside.get(w.key[2])
+            s = results[i]
+            s.is_anomaly = True
+            s.detectors.append("outside_load")
+            roles[i] = NODE if late is None else CULPRIT if i in late else WAITING
+            if verdict is not None and verdict.flagged:
+                explained[i] = {**explained.get(i, {}), "outside_cpu_rise_cores": verdict.features["outside_cpu_rise_cores"]}
+            self.stats.outside_flags += 1
 
     def _flag_job(self, results, roles, loud_rows, explained, detector: str, feature: str, features: dict,
                   evidence) -> bool:

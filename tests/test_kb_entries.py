@@ -141,6 +141,39 @@ def test_a_job_wide_slowdown_explains_the_job_and_its_nodes_not_a_culprit_its_pe
     assert kb["job_wide_slowdown"].roles == ("job", "node") and kb["straggler_rank"].roles == ROLES
 
 
+def test_a_job_slowed_by_load_from_outside_it_is_a_noisy_neighbour_not_a_slowdown_of_unknown_cause(kb):
+    """The same job-wide slowdown, where the host's load from outside the job rose by 0.9 of a core
+    (model/outside_load.py): job_wide_slowdown's `unless` rule gives way to the entry that names the cause.
+    Without the outside features (masked), the slowdown is the job's as before."""
+    features, peer_z, contributions = CASES["job_wide_slowdown"][0][0]
+    outside = {**features, "cpu_busy_frac": 1.0, "outside_cpu_cores": 1.55, "outside_cpu_rise_cores": 0.9}
+    for role in ("job", "node"):
+        case = anomaly(outside, peer_z, contributions)
+        case.role = role
+        entries = [m.entry for m in diagnose(case, kb).matches]
+        assert entries[0] == "cpu_contention_noisy_neighbour" and "job_wide_slowdown" not in entries, (role, entries)
+    below = anomaly({**outside, "outside_cpu_rise_cores": 0.3}, peer_z, contributions)
+    below.role = "job"
+    assert diagnose(below, kb).best == "job_wide_slowdown"
+
+
+def test_an_unless_condition_is_checked_like_any_other_and_a_masked_one_holds_none(tmp_path):
+    doc = _good()
+    doc["rules"]["unless"] = [{"feature": "cpu_steal_frac", "op": ">=", "value": 0.05}]
+    _write(tmp_path, "demo", doc)
+    entry = load_kb(tmp_path)["demo"]
+    assert [c.describe() for c in entry.unless_rules] == ["cpu_steal_frac >= 0.05"]
+    case = anomaly({"cpu_busy_frac": 0.95})
+    del case.features["cpu_steal_frac"]
+    assert diagnose(case, {"demo": entry}).best == "demo"
+    case.features["cpu_steal_frac"] = 0.2
+    assert diagnose(case, {"demo": entry}).matches == []
+    doc["rules"]["unless"] = [{"feature": "cpu_steal_fraction", "op": ">=", "value": 0.05}]
+    _write(tmp_path, "demo", doc)
+    with pytest.raises(KBError, match="cpu_steal_fraction"):
+        load_kb(tmp_path)
+
+
 def test_loader_reports_every_bad_file_and_accepts_good_ones(tmp_path):
     _write(tmp_path, "good", _good("good"))
     assert set(load_kb(tmp_path)) == {"good"}

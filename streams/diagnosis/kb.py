@@ -11,6 +11,8 @@ A file holds (every field is checked on load; an error names file and field):
       any:                             # optional: at least one must hold
         - {peer_z: numa_miss_ratio, op: ">=", value: 3}
         - {peer_z: nccl_lat_p99_ns, op: ">=", value: 3, abs: false}
+      unless:                          # optional: the entry does not apply where one holds
+        - {feature: outside_cpu_rise_cores, op: ">=", value: 0.5}
     evidence: [numa_miss_ratio, ...]   # features to show with a diagnosis
     remediation:
       command: "numactl --cpunodebind={numa_node} --membind={numa_node} -- ..."
@@ -33,7 +35,9 @@ else is a load error naming the file and the feature.
 A condition reads the window's feature value (`feature`) or its peer z-score
 (`peer_z`); `abs: true` compares the magnitude. A masked (absent) input makes
 its condition false, unless it says `if_present: true`: then an absent input
-holds (a GPU condition that a CPU-only job cannot be asked about). `roles` limits an entry to the windows
+holds (a GPU condition that a CPU-only job cannot be asked about). An `unless` condition names what a more
+specific entry explains: the entry is no candidate where one holds (a masked input holds none), so a job slowed
+by load from outside it is a noisy neighbour, not a job-wide slowdown of unknown cause. `roles` limits an entry to the windows
 whose role (streams/model/roles.py) fits its story: a job-wide slowdown explains the ranks flagged `job`
 or `node`, not a culprit whose peers wait for it. `{name}` placeholders in commands are filled per argv
 token at plan time (remediation.py), never through a shell.
@@ -133,6 +137,7 @@ class Entry:
     path: Path = field(default=Path(), compare=False)
     missing: tuple[str, ...] = ()   # inputs its rules wait for (`requires:`): empty when it can match today
     roles: tuple[str, ...] = ROLES  # the roles of flagged windows it can explain
+    unless_rules: tuple[Condition, ...] = ()   # where one holds, the entry does not apply
 
     def explains_role(self, role: str) -> bool:
         """An anomaly without a role (stored before roles existed) fits every entry."""
@@ -189,9 +194,10 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     except (TypeError, ValueError) as exc:
         raise KBError(str(exc) if str(exc).startswith(where) else f"{where}: fingerprint: {exc}") from None
     rules = _required(doc, "rules", dict, where)
-    _no_unknown(rules, {"all", "any"}, f"{where}: rules")
+    _no_unknown(rules, {"all", "any", "unless"}, f"{where}: rules")
     all_rules = _conditions(rules.get("all", []), f"{where}: rules.all")
     any_rules = _conditions(rules.get("any", []), f"{where}: rules.any")
+    unless_rules = _conditions(rules.get("unless", []), f"{where}: rules.unless")
     if not all_rules and not any_rules:
         raise KBError(f"{where}: rules: give at least one condition under `all` or `any`")
     evidence = _required(doc, "evidence", list, where)
@@ -201,12 +207,12 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     requires = doc.get("requires", [])
     if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
         raise KBError(f"{where}: requires: must be a list of feature names (or peer_z.<feature>)")
-    missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where)
+    missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where, unless_rules)
     roles = doc.get("roles", list(ROLES))
     if not isinstance(roles, list) or not roles or not all(r in ROLES for r in roles):
         raise KBError(f"{where}: roles: must be a non-empty list of {list(ROLES)}, got {roles!r}")
     return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path, missing,
-                 tuple(roles))
+                 tuple(roles), unless_rules)
 
 
 def _need(c: Condition) -> str:
@@ -218,10 +224,12 @@ def _computed(need: str) -> bool:
     return need[len("peer_z."):] in PEER_Z_FEATURES if need.startswith("peer_z.") else need in ALL_FEATURES
 
 
-def _missing_inputs(all_rules, any_rules, evidence, requires: tuple[str, ...], where: str) -> tuple[str, ...]:
+def _missing_inputs(all_rules, any_rules, evidence, requires: tuple[str, ...], where: str,
+                    unless_rules=()) -> tuple[str, ...]:
     """The inputs an entry's rules wait for; KBError for a name no builder emits that `requires` does not list."""
     waited = {r[len("peer_z."):] if r.startswith("peer_z.") else r for r in requires}
-    named = [(f"rules: {_need(c)}", c.name) for c in all_rules + any_rules] + [("evidence", e) for e in evidence]
+    named = ([(f"rules: {_need(c)}", c.name) for c in all_rules + any_rules + tuple(unless_rules)]
+             + [("evidence", e) for e in evidence])
     for place, feature in named:
         if feature not in ALL_FEATURES and feature not in waited:
             raise KBError(f"{where}: {place}: feature {feature!r} is emitted by no feature builder "

@@ -1,8 +1,8 @@
 """Match an anomaly to KB entries, each with a confidence in [0, 1].
 
 An entry is a candidate only when the anomaly's role is one it explains
-(`roles`) and its rules pass: every `all` condition holds and, if it has
-`any` conditions, at least one does. A masked input
+(`roles`) and its rules pass: every `all` condition holds, if it has
+`any` conditions at least one does, and none of its `unless` conditions does. A masked input
 makes its condition false, so an entry never matches on missing data.
 
 confidence = 0.5 * rule_part + 0.5 * pattern_part, where
@@ -74,6 +74,8 @@ def match_entry(entry: Entry, anomaly: Anomaly, attribution: Attribution) -> Mat
     if not entry.explains_role(anomaly.role):
         return None
     if not all(c.holds(feats, peers) for c in entry.all_rules):
+        return None
+    if any(c.holds(feats, peers) for c in entry.unless_rules):
         return None
     any_held = [c for c in entry.any_rules if c.holds(feats, peers)]
     if entry.any_rules and not any_held:

@@ -12,8 +12,9 @@ import time
 
 import numpy as np
 
-from fleetscope.schema import SOURCE_COLUMNS, node_identity, validate
+from fleetscope.schema import node_identity
 from fleetscope.wire import Batch, StrColumn
+from support.rank_batches import rank_batch
 
 SEC = 10**9
 TICK = SEC // 2
@@ -59,17 +60,7 @@ class StragglerJob:
         return out
 
     def _rank_batch(self, source: str, rank: int, ts: int, rows) -> Batch:
-        n = len(rows)
-        metric, device, value, interval = zip(*rows)
-        cols = {"ts_ns": np.full(n, ts, "<i8"), "tenant": StrColumn.constant(self.tenant, n),
-                "job": StrColumn.constant(self.job, n), "rank": np.full(n, rank, "<i4"),
-                "pid": np.full(n, 1000 + rank, "<i4"), "gpu": np.full(n, rank % 3, "<i2"),
-                "metric": StrColumn.of(metric), "device": StrColumn.of(device), "value": np.array(value, "<f8"),
-                "interval_ns": np.array(interval, "<i8"), "sample_frac": np.ones(n, "<f8")}
-        batch = Batch(source, self.host_of(rank), {k: cols[k] for k in SOURCE_COLUMNS[source] if k in cols},
-                      created_ns=ts)
-        validate(batch)
-        return batch
+        return rank_batch(source, self.host_of(rank), self.tenant, self.job, rank, rank % 3, ts, rows)
 
     def _host_batch(self, host: str, ts: int) -> Batch:
         names = ("cpu.user", "cpu.system", "cpu.idle", "cpu.steal", "mem.total", "mem.available")
