@@ -56,6 +56,35 @@ from fleetscope.streams.sinks import token
 log = logging.getLogger(__name__)
 
 
+class NamedCulprits(NamedTuple):
+    by_minority: bool          # a minority of culprits the peer comparison flagged already explains the change
+    rows: list[int] | None     # else the rows to name culprits (the rest wait); None: no rank is named
+    how: str | None            # "arrival" or "locality": what named them
+    not_explained: bool        # culprits or last arrivers were there, but did not account for the change
+
+
+def name_culprits(results, roles, loud_rows, evidence, ratio) -> NamedCulprits:
+    """Who a change of the whole step (the job's rate or OFU, the host's outside load) is one rank's doing of.
+
+    A minority of culprits explains it only when their peers' comparison flagged them (roles.differs_from_peers).
+    Otherwise the order of arrival at the step's collectives names the ranks the others wait for, long enough to
+    account for the slower iterations (roles.last_arrivers, roles.explains_slowdown), or, when it names none,
+    the ranks whose CPUs carry clearly more interrupt work (model/locality.py)."""
+    culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
+    not_explained = False
+    if culprit_rows and 2 * len(culprit_rows) < len(results):
+        if any(differs_from_peers(results[i].detectors) for i in culprit_rows):
+            return NamedCulprits(True, None, None, False)
+        not_explained = True
+    late = last_arrivers(evidence)
+    if late is not None and not explains_slowdown(evidence, late, ratio):
+        late, not_explained = None, True
+    if late is not None:
+        return NamedCulprits(False, late, "arrival", not_explained)
+    local = local_rows(range(len(results)), evidence)   # interrupt work may still sit on some ranks' CPUs
+    return NamedCulprits(False, local or None, "locality" if local else None, not_explained)
+
+
 class VanishedWindow(NamedTuple):
     """The window a rank should have sent: scored and flagged on its behalf (model/loud.py)."""
     key: tuple
@@ -380,17 +409,15 @@ class Scorer:
         ranks, role node, the outside load their explanation. Unless a rank is already named: when a peer
         waits for a culprit, or a minority of culprits differs from its peers, the more specific story stands
         (its own diagnosis says why). When the order of arrival names the ranks the others wait for (a
-        neighbour pinned beside one rank), those are the culprits and the rest wait, as for the job's rate."""
+        neighbour pinned beside one rank), or else interrupt work on their CPUs does, those are the culprits and
+        the rest wait, as for the job's rate (name_culprits)."""
         hosts = {h for h, v in outside.items() if v.flagged}
         if not hosts or any(r == WAITING for r in roles):
             return
-        culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
-        if (culprit_rows and 2 * len(culprit_rows) < len(results)
-                and any(differs_from_peers(results[i].detectors) for i in culprit_rows)):
+        named = name_culprits(results, roles, loud_rows, evidence, ratio)
+        if named.by_minority:
             return
-        late = last_arrivers(evidence)
-        if late is not None and not explains_slowdown(evidence, late, ratio):
-            late = None
+        late = named.rows
         for i, (w, _) in enumerate(members):
             if i in loud_rows or not results[i].warm or (late is None and w.key[2] not in hosts):
                 continue
@@ -414,20 +441,13 @@ class Scorer:
         own history flagged, like its peers, merely arrived last (dev scenario job_wide_slowdown: a quota on
         every rank). Loud rows and node-flagged ranks keep theirs."""
         ratio = features.get("job_iteration_time_ratio")
-        culprit_rows = [i for i, r in enumerate(roles) if r == CULPRIT and i not in loud_rows]
-        not_explained = False
-        if culprit_rows and 2 * len(culprit_rows) < len(results):
-            if any(differs_from_peers(results[i].detectors) for i in culprit_rows):
-                return False
-            not_explained = True
-        late = last_arrivers(evidence)
-        if late is not None and not explains_slowdown(evidence, late, ratio):
-            late, not_explained = None, True
-        self.stats.job_not_explained += not_explained
-        self.stats.job_named_by_arrival += late is not None
-        if late is None:   # no rank arrives clearly last, but interrupt work may still sit on some ranks' CPUs
-            late = local_rows(range(len(results)), evidence) or None
-            self.stats.job_named_by_locality += late is not None
+        named = name_culprits(results, roles, loud_rows, evidence, ratio)
+        if named.by_minority:
+            return False
+        self.stats.job_not_explained += named.not_explained
+        self.stats.job_named_by_arrival += named.how == "arrival"
+        self.stats.job_named_by_locality += named.how == "locality"
+        late = named.rows
         for i, s in enumerate(results):
             if i in loud_rows or roles[i] == NODE:
                 continue
