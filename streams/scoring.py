@@ -116,11 +116,11 @@ class ScoringStats:
     job_alike_unflagged: int = 0  # rank-windows flagged alike across a whole step, left to job_rate
     node_not_attributed: int = 0  # rank-windows of a flagged node window left as they were (see _attribute_node)
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
-    outside_flags: int = 0  # rank-windows flagged for load from outside the job on their host (model/outside_load.py)
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     job_named_by_arrival: int = 0  # of those, steps whose culprits the order of arrival named (roles.last_arrivers)
     job_named_by_locality: int = 0  # of those, steps whose culprits their CPUs' interrupt work named (model/locality.py)
     job_not_explained: int = 0  # job flags whose culprits did not differ from their peers, or whose last arrivers were not waited for enough
+    outside_flags: int = 0  # rank-windows flagged for load from outside the job on their host (model/outside_load.py)
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
     unconfirmed: int = 0  # flagged rank-windows not (yet) flagged in K of their rank's last N (model/confirmation.py)
 

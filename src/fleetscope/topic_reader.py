@@ -38,23 +38,27 @@ def drain(consumer, on_message: Callable, settle_s: float, deadline: float) -> i
 def true_ends(consumer, tps: list[TopicPartition], settle_s: float = 0.1, timeout_s: float = 5.0) -> dict:
     """Each partition's (low, end) where end is one past its last record, not the broker's short report.
 
-    The last record batch starts at the reported end - 1; reading from there until a poll of `settle_s`
-    brings nothing shows where it really ends. One read covers every partition, so a probe pays one
-    empty poll, not one per partition. `consumer` is assigned (never subscribed): it joins no group."""
+    The last record batch starts at the reported end - 1; reading from there shows where it really ends. One
+    read covers every partition, waiting up to `settle_s` a poll until each has given a record, then taking
+    only what the client already holds (the rest of those batches): a partition that keeps growing is not
+    followed, so a probe of a busy topic costs one fetch, and its end is that moment's. `consumer` is assigned
+    (never subscribed): it joins no group."""
     deadline = time.monotonic() + timeout_s
     reported = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=timeout_s) for tp in tps}
     ends = {key: high for key, (_low, high) in reported.items()}
     last_batches = [TopicPartition(t, p, high - 1) for (t, p), high in ends.items() if high > 0]
     if last_batches:
+        seen: set[tuple[str, int]] = set()
         consumer.assign(last_batches)
         try:
             while time.monotonic() < deadline:
-                batch = consumer.consume(1000, settle_s)
+                batch = consumer.consume(1000, settle_s if len(seen) < len(last_batches) else 0)
                 if not batch:
                     break
                 for msg in batch:
                     if msg.error() is None:
                         key = (msg.topic(), msg.partition())
+                        seen.add(key)
                         ends[key] = max(ends[key], msg.offset() + 1)
         finally:
             consumer.unassign()
