@@ -15,6 +15,7 @@ from fleetscope.streams.model.outside_load import OutsideLoad, outside_cores
 from fleetscope.streams.model.state_archive import CheckpointError
 from fleetscope.streams.processor import MessageRef, StreamProcessor
 from fleetscope.wire import encode
+from support.host_processor import FakeClock
 from support.outside_load_job import OutsideLoadJob
 from support.straggler_job import recent_start_ns
 
@@ -102,11 +103,6 @@ def test_a_restored_worker_goes_on_mid_change_and_a_bad_part_is_refused():
         JobModel.from_bytes(model.to_bytes({"outside_load": bad}), {"outside_load": OutsideLoad().part(JOB)})
 
 
-class StoppedClock:
-    def __call__(self) -> float:
-        return 0.0
-
-
 def test_a_job_slowed_by_a_neighbour_outside_it_is_flagged_node_and_diagnosed_a_noisy_neighbour(store, tmp_path):
     """The real processor (windows, features, the node join, JobRates, OutsideLoad, roles, KB) on chDB. The
     job issues 18% fewer collectives from window 30: under what its rate alone calls a fault (a robust z of -4). The host's
@@ -116,7 +112,7 @@ def test_a_job_slowed_by_a_neighbour_outside_it_is_flagged_node_and_diagnosed_a_
     onset, end, windows = 30, 45, 55
     cfg = Config(data_dir=tmp_path, window_s=1.0, allowed_lateness_s=0.5, idle_close_s=30, warmup_windows=15,
                  model_checkpoint_s=0)
-    proc = StreamProcessor(cfg, store, clock=StoppedClock())
+    proc = StreamProcessor(cfg, store, clock=FakeClock())   # flushes are forced: the clock never moves
     t0 = recent_start_ns()
     job, offset = OutsideLoadJob(t0, onset, end), 0
     for tick in range(2 * windows):

@@ -105,15 +105,11 @@ class CommittedLag:
         self._tps = [TopicPartition(topic, p) for p in range(partitions)]
 
     def partitions(self) -> list[dict] | None:
-        """`high` is the partition's true end, read (fleetscope.topic_reader.true_ends): tansu reports less."""
-        from fleetscope.topic_reader import true_ends
+        """`high` is the partition's true end, read (fleetscope.topic_reader.committed_and_ends): tansu reports less."""
+        from fleetscope.topic_reader import committed_and_ends
         try:
-            ends = true_ends(self._end_reader, self._tps, timeout_s=2.0)
-            out = []
-            for tp in self._c.committed(self._tps, timeout=2.0):
-                low, high = ends[(tp.topic, tp.partition)]
-                out.append({"partition": tp.partition, "committed": tp.offset, "low": low, "high": high})
-            return out
+            return [{"partition": p, "committed": committed, "low": low, "high": high}
+                    for p, committed, low, high in committed_and_ends(self._c, self._end_reader, self._tps)]
         except Exception:  # best effort: a probe failure is reported as null
             return None
 

@@ -65,6 +65,14 @@ def true_ends(consumer, tps: list[TopicPartition], settle_s: float = 0.1, timeou
     return {key: (reported[key][0], end) for key, end in ends.items()}
 
 
+def committed_and_ends(group_consumer, end_reader, tps: list[TopicPartition], timeout_s: float = 2.0) -> list:
+    """Per partition, (partition, the group's committed offset, low, true end): what a lag probe compares.
+    `group_consumer` only reads the group's commits (it never joins it); `end_reader` reads the ends."""
+    ends = true_ends(end_reader, tps, timeout_s=timeout_s)
+    return [(tp.partition, tp.offset, *ends[(tp.topic, tp.partition)])
+            for tp in group_consumer.committed(tps, timeout=timeout_s)]
+
+
 def read_to_end(consumer, tps: list[TopicPartition], on_message: Callable, timeout_s: float = 30.0,
                 settle_s: float = 0.5) -> None:
     """Assign `tps` from their first offset and hand `on_message` every message up to the end (see above)."""

@@ -99,6 +99,20 @@ class OwnHistory:
         level = self.change_sum / self.in_change
         return abs(x - level) < abs(x - base)
 
+    @classmethod
+    def restored(cls, size: int, arrays, values_name: str, in_change: int, change_sum: float | None) -> "OwnHistory":
+        """A history from a checkpoint part: its values are the array ``values_name`` (at most ``size``, all
+        finite), its counters already read from the part's meta; a change sum that is given must be finite."""
+        hist = cls(size)
+        values = arrays.take(values_name, "f8", (None,))
+        if len(values) > size or not np.isfinite(values).all():
+            arrays.fail(f"{values_name}: {len(values)} values, at most {size} finite ones")
+        if change_sum is not None and not math.isfinite(change_sum):
+            arrays.fail(f"{values_name}: its change sum {change_sum!r} is not finite")
+        hist.values.extend(values.tolist())
+        hist.in_change, hist.change_sum = in_change, change_sum
+        return hist
+
     def settle(self, x: float, flagged: bool, regime_windows: int) -> tuple[bool, bool]:
         """Learn ``x`` unless it is part of a change; (still flagged, a new regime was accepted)."""
         if not flagged:
@@ -123,6 +137,14 @@ class _JobRateState:
         self.rate = OwnHistory(history)
         self.ph = new_page_hinkley(ph_threshold)
         self.ofu = OwnHistory(history)
+
+
+def saved_newest(meta, arrays) -> int:
+    """A job part's newest window start as saved (-1: none yet), checked."""
+    newest = meta.get("newest") if isinstance(meta, dict) else None
+    if type(newest) is not int or not -1 <= newest < 1 << 63:
+        arrays.fail(f"newest: {newest!r} is not a window start in ns")
+    return newest
 
 
 def new_page_hinkley(threshold: float) -> PageHinkley:
@@ -184,20 +206,17 @@ class JobRates:
                       "ofu_history": np.array(st.ofu.values, dtype=np.float64)}
 
     def load(self, job: tuple[str, str], meta: dict, arrays) -> None:
-        newest = meta.get("newest") if isinstance(meta, dict) else None
-        if type(newest) is not int or not -1 <= newest < 1 << 63:
-            arrays.fail(f"newest: {newest!r} is not a window start in ns")
+        newest = saved_newest(meta, arrays)
         if not arrays.flag(meta, "known"):
             self.forget(job)
             return
         st = _JobRateState(self.history_len, self.ph_threshold)
-        for name, hist in (("rate", st.rate), ("ofu", st.ofu)):
-            values = arrays.take(f"{name}_history", "f8", (None,))
-            if len(values) > self.history_len or not np.isfinite(values).all():
-                arrays.fail(f"{name}_history: {len(values)} values, at most {self.history_len} finite ones")
-            hist.values.extend(values.tolist())
-            hist.in_change = arrays.count(meta, f"{name}_in_change", 1 << 31)
-            hist.change_sum = arrays.number(meta, f"{name}_change_sum", allow_none=True)   # None: saved before
+        histories = []
+        for name in ("rate", "ofu"):
+            in_change = arrays.count(meta, f"{name}_in_change", 1 << 31)
+            change_sum = arrays.number(meta, f"{name}_change_sum", allow_none=True)   # None: saved before
+            histories.append(OwnHistory.restored(self.history_len, arrays, f"{name}_history", in_change, change_sum))
+        st.rate, st.ofu = histories
         st.ph = restore_page_hinkley(meta.get("ph"), self.ph_threshold, arrays)
         self.jobs[job] = st
         self.newest[job] = newest

@@ -35,7 +35,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fleetscope.streams.model.checkpoint import JobPart
-from fleetscope.streams.model.job_rate import OwnHistory
+from fleetscope.streams.model.job_rate import OwnHistory, saved_newest
 
 BUSY = "cpu_busy_cores"      # the host's, joined into each rank's vector (host_features)
 RANK_CPU = "proc_cpu_cores"  # each rank process's own (proc_features)
@@ -108,27 +108,17 @@ class OutsideLoad:
         return meta, {f"history_{i}": np.array(hists[h].values, dtype=np.float64) for i, h in enumerate(hosts)}
 
     def load(self, job: tuple[str, str], meta: dict, arrays) -> None:
-        newest = meta.get("newest") if isinstance(meta, dict) else None
-        if type(newest) is not int or not -1 <= newest < 1 << 63:
-            arrays.fail(f"newest: {newest!r} is not a window start in ns")
+        newest = saved_newest(meta, arrays)
         hosts, in_change, sums = meta.get("hosts"), meta.get("in_change"), meta.get("change_sum")
         if not (isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)
                 and isinstance(in_change, list) and isinstance(sums, list) and len(in_change) == len(sums) == len(hosts)):
             arrays.fail("hosts, in_change and change_sum: lists of one entry per host")
         hists = {}
         for i, host in enumerate(hosts):
-            hist = OwnHistory(self.history_len)
-            values = arrays.take(f"history_{i}", "f8", (None,))
-            if len(values) > self.history_len or not np.isfinite(values).all():
-                arrays.fail(f"history_{i}: {len(values)} values, at most {self.history_len} finite ones")
-            hist.values.extend(values.tolist())
-            count, total = in_change[i], sums[i]
-            if type(count) is not int or not 0 <= count < 1 << 31:
-                arrays.fail(f"in_change[{i}]: {count!r} is not a count")
-            if type(total) not in (int, float) or not math.isfinite(total):
-                arrays.fail(f"change_sum[{i}]: {total!r} is not a number")
-            hist.in_change, hist.change_sum = count, float(total)
-            hists[host] = hist
+            counters = {"in_change": in_change[i], "change_sum": sums[i]}   # one host's, read as a meta's
+            hists[host] = OwnHistory.restored(self.history_len, arrays, f"history_{i}",
+                                              arrays.count(counters, "in_change", 1 << 31),
+                                              arrays.number(counters, "change_sum"))
         self.jobs[job] = hists
         self.newest[job] = newest
 

@@ -328,18 +328,14 @@ class EmbeddedStack:
         read, not taken from the broker's report, which on tansu stops short of the last batch (topic_reader)."""
         from confluent_kafka import TopicPartition
 
-        from fleetscope.topic_reader import true_ends
+        from fleetscope.topic_reader import committed_and_ends
         consumer = self._probe_consumer(group)
-        reader = self._probe_consumer(None)
         try:
             meta = consumer.list_topics(timeout=2.0)
             tps = [TopicPartition(t, p) for t in topics if t in meta.topics for p in meta.topics[t].partitions]
-            ends = true_ends(reader, tps, timeout_s=2.0)
-            total = 0
-            for tp in consumer.committed(tps, timeout=2.0):
-                low, end = ends[(tp.topic, tp.partition)]
-                total += max(0, end - (tp.offset if tp.offset >= 0 else low))
-            return total
+            # max(0, ...): a commit past the end just read (the partition grew in between) is no lag
+            return sum(max(0, end - (committed if committed >= 0 else low))
+                       for _, committed, low, end in committed_and_ends(consumer, self._probe_consumer(None), tps))
         except Exception:  # best effort: a status probe must never take the stack down
             return None
 
