@@ -8,6 +8,8 @@ broker goes. Children die with us even if we are killed (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections import deque
 
@@ -75,7 +77,12 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False, wo
         failed = True
     finally:
         stack.stop()
-    return 1 if failed or not stack.exited_cleanly() else 0
+    code = 1 if failed or not stack.exited_cleanly() else 0
+    if stack.agent_still_running():  # its native code must not meet the interpreter's teardown (stop_agent)
+        print("fleetscope up: the agent did not stop in time; exiting without waiting for it", flush=True)
+        sys.stderr.flush()
+        os._exit(code or 1)
+    return code
 
 
 def _watch(stack: EmbeddedStack, duration_s: float | None, plain: bool) -> None:
