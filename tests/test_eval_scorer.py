@@ -196,6 +196,7 @@ SCENARIOS = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchma
 
 def test_shipped_scenarios_load_split_and_their_faults_can_be_built(tmp_path):
     from fleetscope.eval.faults import make_fault
+    from fleetscope.eval.nvml_standin import NvmlStandin
     from fleetscope.eval.relay import DelayRelay
     from fleetscope.eval.scenario import load_scenarios
     dev = {s.name: s for s in load_scenarios([SCENARIOS / "dev"])}
@@ -203,7 +204,7 @@ def test_shipped_scenarios_load_split_and_their_faults_can_be_built(tmp_path):
     assert len(dev) + len(test) >= 20 and not set(dev) & set(test)
     scenarios = {**dev, **test}
     kinds = {f.kind for s in scenarios.values() for f in s.faults}
-    assert {"hang", "crash", "irq_affinity", "thp_off", "gpu_throttle", "cpu_quota", "gc_storm"} <= kinds
+    assert {"hang", "crash", "irq_affinity", "thp_off", "gpu_throttle", "cpu_quota", "gc_storm", "gpu_xid"} <= kinds
     assert any(len(s.faults) >= 2 for s in scenarios.values())
     assert any(f.schedule.times > 1 for s in scenarios.values() for f in s.faults)
     assert any(f.target == "outside" for s in scenarios.values() for f in s.faults)
@@ -212,11 +213,14 @@ def test_shipped_scenarios_load_split_and_their_faults_can_be_built(tmp_path):
     assert any(s.rank_args for s in scenarios.values() if s.healthy)
     for s in scenarios.values():
         assert s.window_s == 1 and s.duration_s <= 150, s.name
+        # as the runner builds them: with the run's NVML stand-in where the scenario loads one (not built here)
+        nvml = NvmlStandin(tmp_path / "nvml", gpus=s.ranks) if "nvml_standin" in s.requires else None
         for f in s.faults:
             targets = [None] if f.target == "outside" or f.kind == "thp_off" else list(f.ranks)
             for r in targets:
                 fault = make_fault(f.kind, pid=1, rank=r, strength=f.strength, params=f.params, control_dir=tmp_path,
-                                   relay=DelayRelay(("127.0.0.1", 1)), outside=f.target == "outside")  # not started
+                                   relay=DelayRelay(("127.0.0.1", 1)), outside=f.target == "outside",
+                                   nvml=nvml)  # not started
                 assert fault.kind == f.kind, s.name
     t = scenarios["straggler_cpu_quota"].truth()
     f = t.faults[0]

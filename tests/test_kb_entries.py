@@ -157,6 +157,18 @@ def test_a_job_slowed_by_load_from_outside_it_is_a_noisy_neighbour_not_a_slowdow
     assert diagnose(below, kb).best == "job_wide_slowdown"
 
 
+def test_a_rank_that_died_after_its_gpu_reported_an_xid_is_diagnosed_as_the_xid_not_a_crash(kb):
+    """Xid 79 (the GPU fell off the bus), then the rank's process ended in the same window: the hardware is the
+    cause (a restart on that GPU dies again), so crashed_rank's `unless` gives way to xid_hardware_error. The same
+    crash with no Xid is a crash."""
+    features, *rest = CASES["xid_hardware_error"][0][0]
+    died = {**features, "rank_crashed": 1, "process_exit_signal": 9}
+    entries = [m.entry for m in diagnose(anomaly(died, *rest), kb).matches]
+    assert entries[0] == "xid_hardware_error" and "crashed_rank" not in entries, entries
+    no_xid = {k: v for k, v in died.items() if not k.startswith("gpu_xid")}
+    assert diagnose(anomaly(no_xid, *rest), kb).best == "crashed_rank"
+
+
 def test_an_unless_condition_is_checked_like_any_other_and_a_masked_one_holds_none(tmp_path):
     doc = _good()
     doc["rules"]["unless"] = [{"feature": "cpu_steal_frac", "op": ">=", "value": 0.05}]

@@ -15,7 +15,7 @@ import pynvml
 import pytest
 
 from fleetscope import wire
-from fleetscope.eval.faults import GpuThrottle, WorkloadKnob, make_fault
+from fleetscope.eval.faults import FaultError, GpuThrottle, WorkloadKnob, make_fault
 from fleetscope.eval.nvml_standin import HEALTHY, NvmlStandin, NvmlStandinError, throttled_values
 from fleetscope.eval.scenario import load_scenario
 from fleetscope.producers.nvml.sampler import NvmlSampler
@@ -158,4 +158,45 @@ def test_a_scenario_may_require_the_nvml_stand_in(tmp_path):
     assert "nvml_standin" in load_scenario(path).requires
     path.write_text(path.read_text().replace("nvml_standin", "nvml_stub"))
     with pytest.raises(Exception, match="requires"):
+        load_scenario(path)
+
+
+def test_an_xid_fault_reports_the_xid_on_the_ranks_gpu_then_ends_the_rank(standin):
+    """gpu_xid (eval/faults.py): the watcher reads Xid 79 on the rank's GPU, and the rank's process (a real one
+    here) is then killed, as a process whose GPU fell off the bus ends. A scenario must load the stand-in."""
+    import subprocess
+    import sys
+    published: list = []
+    watcher = XidWatcher("node-a", published.append, library_path=str(standin.library), wait_ms=20).start()
+    rank_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(RELOAD_S)
+        fault = make_fault("gpu_xid", pid=rank_process.pid, rank=1, params={"code": 79}, nvml=standin)
+        fault.start()
+        assert rank_process.wait(10) == -9
+        deadline = time.monotonic() + 10
+        while not published and time.monotonic() < deadline:
+            time.sleep(0.05)
+        xids = [(r["device"], r["value"]) for b in published for r in rows(b) if r["metric"] == "nvml.xid"]
+        assert xids == [("gpu1", 79.0)]
+        assert fault.describe() == {"kind": "gpu_xid", "xid": 79, "gpu": 1,
+                                    "then": {"kind": "crash", "pid": rank_process.pid, "killed": True}}
+        fault.stop()
+        assert standin.control.read_text().count("xid") == 0
+    finally:
+        rank_process.kill()
+        watcher.stop()
+    with pytest.raises(FaultError, match="nvml_standin"):
+        make_fault("gpu_xid", pid=os.getpid(), rank=0)
+
+
+def test_a_scenario_with_an_xid_fault_must_load_the_nvml_stand_in(tmp_path):
+    path = tmp_path / "s.yaml"
+    body = ("name: s\nworkload: gpu_standin\nranks: 3\nduration_s: 60\nwindow_s: 1\nrequires: [gpu_standin{extra}]\n"
+            "faults:\n  - {{kind: gpu_xid, rank: 1, start_s: 30, duration_s: 1, expect: {{kb_entry: xid_hardware_error}}}}\n")
+    path.write_text(body.format(extra=", nvml_standin"))
+    fault = load_scenario(path).faults[0]
+    assert fault.expect.persists and fault.expect.kb_entry == "xid_hardware_error"
+    path.write_text(body.format(extra=""))
+    with pytest.raises(Exception, match="requires: a gpu_xid fault"):
         load_scenario(path)

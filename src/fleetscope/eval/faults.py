@@ -518,6 +518,37 @@ class Crash(Fault):
         return {"kind": self.kind, "pid": self.pid, "killed": self.killed}
 
 
+class GpuXid(Fault):
+    """The driver reports an Xid on the rank's GPU (through the NVML stand-in), then the rank dies, as a process
+    whose GPU fell off the bus (Xid 79) or lost a page to a double-bit ECC error (Xid 48) does: its next CUDA call
+    fails and it ends. The Xid comes first and the process ends `after_s` later (SIGKILL: this stand-in job has no
+    CUDA call that could fail). An Xid that leaves the process running (a recoverable one) slows nothing, so it
+    would be "no effect" and is not modelled. Needs the stand-in (`requires: [nvml_standin]`)."""
+    kind = "gpu_xid"
+
+    def __init__(self, crash: Crash, nvml, rank: int, code: int = 79, after_s: float = 0.3):
+        super().__init__()
+        if nvml is None:
+            raise FaultError("gpu_xid needs the NVML stand-in: add nvml_standin to the scenario's requires")
+        if not isinstance(code, int) or code <= 0:
+            raise FaultError(f"gpu_xid: code must be a positive Xid number, got {code!r}")
+        self.crash, self.nvml, self.rank, self.code, self.after_s = crash, nvml, rank, code, float(after_s)
+        self.owner = f"gpu_xid:rank{rank}"
+
+    def start(self) -> None:
+        self.nvml.override(self.owner, self.rank, xid=self.code)
+        time.sleep(self.after_s)  # the driver logs the Xid before the process sees its CUDA call fail
+        self.crash.start()
+        super().start()
+
+    def stop(self) -> None:
+        self.nvml.clear(self.owner)
+        super().stop()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "xid": self.code, "gpu": self.rank, "then": self.crash.describe()}
+
+
 DISK_WRITER = r"""
 import os, sys, time
 path, duty, period = sys.argv[1], float(sys.argv[2]), 0.01
@@ -677,10 +708,15 @@ def make_fault(kind: str, *, pid: int | None = None, rank: int | None = None, st
         return LinkDelay(need("relay", relay), strength, **params)
     if kind == "thp_off":
         return ThpOff(strength, **params)
+    if kind == "gpu_xid":
+        try:
+            return GpuXid(Crash(need("pid", pid)), nvml, need("rank", rank), **params)
+        except TypeError as e:
+            raise FaultError(f"fault 'gpu_xid': bad params {params}: {e}") from None
     classes = (CpuQuota, CompetingLoad, SoftirqStorm, MemoryPressure, Crash, IrqAffinity)
     cls = {c.kind: c for c in classes}.get(kind)
     if cls is None:
-        raise FaultError(f"unknown fault kind {kind!r}; known: none, link_delay, thp_off, "
+        raise FaultError(f"unknown fault kind {kind!r}; known: none, link_delay, thp_off, gpu_xid, "
                          f"{', '.join(sorted([*KNOB_KINDS, *(c.kind for c in classes)]))}")
     try:
         return cls(need("pid", pid), strength, **params)

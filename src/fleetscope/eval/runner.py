@@ -322,7 +322,7 @@ class Run:
                 inj.stop()
             raise
         self.active[i] = started
-        if f.kind == "crash":
+        if f.kind in INSTANT_KINDS:  # a crash, or an Xid that ends the rank: the job may end with it
             self.workload_may_end = True
         self.injected.setdefault(i, []).append({"on_s": round(time.time() - t0, 3),
                                                 "injectors": [inj.describe() for inj in started]})

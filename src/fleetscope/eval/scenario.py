@@ -49,12 +49,12 @@ WORKLOADS = ("ddp_cpu", "gpu_standin")
 # Faults that are an event, not a state: a crash happens in one moment. Their burst is the event's own window(s),
 # scored with no onset grace (the window it happens in is the one an alert belongs to), and their impact is
 # measured over the rest of the run (a dead rank steps no more).
-INSTANT_KINDS = frozenset(("crash",))
+INSTANT_KINDS = frozenset(("crash", "gpu_xid"))  # a gpu_xid ends the rank after its Xid (eval/faults.py)
 FAULT_KINDS = ("cpu_quota", "competing_load", "memory_pressure", "softirq_storm", "link_delay", "crash",
-               "irq_affinity", "thp_off", *KNOB_KINDS)
+               "irq_affinity", "thp_off", "gpu_xid", *KNOB_KINDS)
 # knobs read by only one of the two workloads
 DDP_ONLY_KINDS = {"gc_storm", "dataloader_stall", "hang"}
-STANDIN_ONLY_KINDS = {"memcpy_stall", "gpu_memory_leak", "gpu_throttle"}
+STANDIN_ONLY_KINDS = {"memcpy_stall", "gpu_memory_leak", "gpu_throttle", "gpu_xid"}
 OUTSIDE_KINDS = {"competing_load"}  # kinds that can run as a process outside the job
 REQUIREMENTS = ("gpu_standin", "nvml_standin", "root", "cgroup_cpu", "cgroup_memory")
 SCOPES = ("rank", "job", "node")
@@ -250,7 +250,7 @@ def _parse_fault(path: Path, i: int, raw, ranks: int, duration: float, workload:
     default_culprits = list(on) if target == "ranks" else list(range(ranks))
     culprits = e.get("ranks", list, default_culprits, check=lambda v: v and all(map(is_rank, v)),
                      what=f"a non-empty list of ranks of this {ranks}-rank job")
-    persists = e.get("persists", bool, kind == "crash", what="true or false")
+    persists = e.get("persists", bool, kind in INSTANT_KINDS, what="true or false")
     return FaultSpec(kind=kind, target=target, ranks=on, schedule=sched, strength=float(strength), params=params,
                      expect=FaultExpect(kb, tuple(culprits), scope, persists),
                      unscored=unscored_reason(kind, workload))
@@ -323,6 +323,8 @@ def load_scenario(path: str | Path) -> Scenario:
         top.fail("requires", "a gpu_standin workload must list gpu_standin")
     faults_raw = top.get("faults", list, what="a list of faults ([] for a healthy run)")
     faults = tuple(_parse_fault(path, i, f, ranks, float(duration), workload) for i, f in enumerate(faults_raw))
+    if any(f.kind == "gpu_xid" for f in faults) and "nvml_standin" not in requires:
+        top.fail("requires", "a gpu_xid fault is an Xid that NVML reports: list nvml_standin")
     return Scenario(path=path, name=name, description=top.get("description", str, ""), workload=workload,
                     ranks=ranks, duration_s=float(duration), window_s=float(window), faults=faults,
                     events=_parse_events(top, float(duration)), requires=tuple(requires),
