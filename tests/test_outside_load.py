@@ -79,6 +79,25 @@ def test_a_healthy_host_is_never_flagged_and_a_long_neighbour_becomes_the_hosts_
     assert detector.counts["regimes"] == 1
 
 
+def test_a_host_the_job_left_an_hour_ago_is_forgotten_and_warms_up_again_if_it_comes_back():
+    """An elastic job that moves on keeps no history for the hosts it left (forget_host_s)."""
+    detector = OutsideLoad(forget_host_s=3600)
+    for k, (hosts, vecs) in enumerate(series(20)):
+        detector.step(JOB, (1000 + k) * SEC, hosts, vecs, 1.0)
+    assert set(detector.jobs[JOB]) == {"node-a"}
+    moved_at = 1000 + 20
+    for k in range(3700):   # the job runs on node-b alone from here
+        detector.step(JOB, (moved_at + k) * SEC, *vectors(1.2, [0.18, 0.18], host="node-b"), 1.0)
+        if k == 3599:
+            assert set(detector.jobs[JOB]) == {"node-a", "node-b"}, "kept for the hour"
+    assert set(detector.jobs[JOB]) == {"node-b"}
+    hosts, vecs = series(1)[0]
+    back = detector.step(JOB, (moved_at + 3700) * SEC, hosts, vecs, 1.0)
+    assert "outside_cpu_z" not in back["node-a"].features, "a forgotten host warms up again"
+    detector.forget(JOB)
+    assert JOB not in detector.host_seen
+
+
 def test_a_restored_worker_goes_on_mid_change_and_a_bad_part_is_refused():
     steps = series(60, outside_from=30)
     ratios = [1.0] * 30 + [1.1] * 30

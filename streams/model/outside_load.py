@@ -24,6 +24,9 @@ What counts as outside: everything but the job's rank processes (proc_cpu_cores 
 DataLoader workers too): the agent itself, other jobs, daemons. Those are part of the baseline while they stay as
 they are. Where several jobs share a host, each is judged on its own: for one, the others are outside.
 
+A host the job has not had a rank on for ``forget_host_s`` (an hour) is forgotten, so an elastic job that moves
+across many hosts holds no history for the ones it left; coming back, it warms up again (``warmup`` windows).
+
 Checkpointed with the job's model (a part: per host its history, change counter and change sum).
 """
 from __future__ import annotations
@@ -49,7 +52,8 @@ class OutsideVerdict:
 
 class OutsideLoad:
     def __init__(self, warmup: int = 10, z_enter: float = 6.0, z_exit: float = 3.0, history: int = 60,
-                 regime_windows: int = 300, min_rise_cores: float = 0.5, min_slowdown: float = 0.05):
+                 regime_windows: int = 300, min_rise_cores: float = 0.5, min_slowdown: float = 0.05,
+                 forget_host_s: float = 3600.0):
         self.warmup = warmup
         self.z_enter = z_enter
         self.z_exit = z_exit
@@ -57,7 +61,9 @@ class OutsideLoad:
         self.regime_windows = regime_windows
         self.min_rise_cores = min_rise_cores
         self.min_slowdown = min_slowdown
+        self.forget_host_ns = int(forget_host_s * 1e9)
         self.jobs: dict[tuple[str, str], dict[str, OwnHistory]] = {}
+        self.host_seen: dict[tuple[str, str], dict[str, int]] = {}   # job -> host -> newest step start with it
         self.newest: dict[tuple[str, str], int] = {}
         self.counts = {"windows": 0, "flagged": 0, "regimes": 0}
 
@@ -70,12 +76,16 @@ class OutsideLoad:
         self.newest[job] = start_ns
         slowed = iteration_time_ratio is not None and iteration_time_ratio >= 1.0 + self.min_slowdown
         histories = self.jobs.setdefault(job, {})
+        seen = self.host_seen.setdefault(job, {})
         out = {}
         for host, x in outside_cores(hosts, vectors).items():
             hist = histories.get(host)
             if hist is None:
                 hist = histories[host] = OwnHistory(self.history_len)
+            seen[host] = start_ns
             out[host] = self._judge(hist, x, slowed)
+        for host in [h for h in histories if start_ns - seen.setdefault(h, start_ns) > self.forget_host_ns]:
+            del histories[host], seen[host]
         return out
 
     def _judge(self, hist: OwnHistory, x: float, slowed: bool) -> OutsideVerdict:
@@ -125,6 +135,7 @@ class OutsideLoad:
     def forget(self, job: tuple[str, str]) -> None:
         self.jobs.pop(job, None)
         self.newest.pop(job, None)
+        self.host_seen.pop(job, None)
 
 
 def outside_cores(hosts: Sequence[str], vectors: Sequence[Mapping[str, float]]) -> dict[str, float]:
