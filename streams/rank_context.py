@@ -55,6 +55,10 @@ class RankContext:
         self.gpus: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
         self.irqs: dict[tuple[str, int], dict[int, float]] = {}
         self.irq_time: dict[tuple[str, int], dict[int, float]] = {}
+        # each rank's GPUs as last named by its NVML process rows: a window without them (the process ended
+        # in it, or a sample missed it) keeps the rank on its GPUs, or an Xid that ends the rank's process is
+        # never the rank's (measured in xid_fallen_off_bus: the dying rank had no process row in the Xid's window)
+        self.last_gpus: OrderedDict[tuple, list[str]] = OrderedDict()
         self.misses = 0
 
     def remember(self, w: Window, vector: dict) -> None:
@@ -79,11 +83,14 @@ class RankContext:
             return None
         out = {**node, **self._irq_shares(key, w)}
         devices = self.gpus.get(key, {})
-        own = [devices[g] for g in rank_gpus(w) if g in devices]
+        own = [devices[g] for g in self._gpus_of(w) if g in devices]
         if not own and len(devices) == 1:
             own = list(devices.values())
         if not own:
-            return out
+            # the rank's GPU is unknown in this window (no NVML process row: a process ending, a missed
+            # sample) on a node of several: the node's gauges stand in, but not its GPUs' faults, or an Xid
+            # on one GPU flags every such rank of the node (measured: two in a run of xid_fallen_off_bus)
+            return {k: v for k, v in out.items() if k not in FAULT_FEATURES} if devices else out
         out = {k: v for k, v in out.items() if k not in PER_GPU}
         for name in PER_GPU:
             values = [d[name] for d in own if name in d]
@@ -92,6 +99,16 @@ class RankContext:
                     else sum(values) / len(values)
         return out
 
+
+    def _gpus_of(self, w: Window) -> list[str]:
+        gpus = rank_gpus(w)
+        if gpus:
+            self.last_gpus[w.key] = gpus
+            self.last_gpus.move_to_end(w.key)
+            while len(self.last_gpus) > self.capacity:
+                self.last_gpus.popitem(last=False)
+            return gpus
+        return self.last_gpus.get(w.key, [])
 
     def _irq_shares(self, key: tuple[str, int], w: Window) -> dict[str, float]:
         """The rank's CPUs' share of the node's interrupts and their interrupt time; the busiest CPU's share
