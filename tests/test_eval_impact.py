@@ -87,6 +87,12 @@ def test_pooled_summary_has_means_worst_repeats_and_splits(tmp_path):
     assert s["job"]["f1"] == 1.0 and s["median_delay_windows"] == 1 and s["p90_delay_s"] == 2.0
     assert set(s["by_split"]) == {"dev", "test"} and s["impact_pct"]["a"] == [-40.5]
     assert doc["scenarios"]["a"]["stats"]["f1"]["spread"] == pytest.approx(1 / 3)
+    # a scenario run more often than the rest: its extra repeats stay in its own stats, out of the pools
+    doc = merge_results(tmp_path / "scenarios.json", {"b": [_result("b", "dev", 4, 0, repeat=i) for i in range(3)]})
+    s = doc["summary"]
+    assert s["repeats_pooled"] == 2 and s["repeats_left_out"] == {"b": 1}   # a and h ran twice
+    assert s["by_split"]["dev"]["repeats_left_out"] == {"b": 1} and s["by_split"]["test"]["repeats_left_out"] == {}
+    assert doc["scenarios"]["b"]["stats"]["ran"] == 3
     plan = repeat_plan(3)
     assert len({p["seed"] for p in plan}) == 3 and len({p["start_offset_s"] for p in plan}) == 3
     assert [p["busy_loops"] for p in plan] == [0, 0, 1]
