@@ -90,7 +90,7 @@ class RankContext:
             # the rank's GPU is unknown in this window (no NVML process row: a process ending, a missed
             # sample) on a node of several: the node's gauges stand in, but not its GPUs' faults, or an Xid
             # on one GPU flags every such rank of the node (measured: two in a run of xid_fallen_off_bus)
-            return {k: v for k, v in out.items() if k not in FAULT_FEATURES} if devices else out
+            return {k: v for k, v in out.items() if k not in FAULT_FEATURES}
         out = {k: v for k, v in out.items() if k not in PER_GPU}
         for name in PER_GPU:
             values = [d[name] for d in own if name in d]
@@ -99,8 +99,8 @@ class RankContext:
                     else sum(values) / len(values)
         return out
 
-
     def _gpus_of(self, w: Window) -> list[str]:
+        """This window's GPUs of the rank, remembered; else the ones its last process rows named."""
         gpus = rank_gpus(w)
         if gpus:
             self.last_gpus[w.key] = gpus
