@@ -15,6 +15,11 @@ bytes are those of the latest checkpoint (every model_checkpoint_s): a worker
 restoring them relearns nothing twice, it may only have missed the windows
 since that checkpoint, which were scored once by the previous owner.
 
+A state written late (a producer's timed-out first attempt that the broker
+still writes after the resend, on another connection) can follow a newer one
+on the topic; readers therefore fold each message into what they hold
+(`JobState.folded`) instead of taking the last one.
+
 JSON, not pickle: nothing here deserialises code.
 """
 from __future__ import annotations
@@ -34,6 +39,19 @@ class JobState:
     saved_at_ns: int = 0
     last_window_ns: int = 0
     marks: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def folded(self, later: "JobState") -> "JobState":
+        """This state and one read after it, as one: the newer of the two by (last_window_ns, saved_at_ns), its
+        model included, with every (host, rank) mark at the larger of the two. A mark says a window is out, so
+        the larger is right whichever message carried it; event time orders the two even where two workers'
+        clocks (saved_at_ns) disagree. A tie goes to `later`, the topic's order."""
+        newest, other = ((later, self) if (later.last_window_ns, later.saved_at_ns)
+                         >= (self.last_window_ns, self.saved_at_ns) else (self, later))
+        marks = dict(other.marks)
+        for mk, start in newest.marks.items():
+            marks[mk] = max(marks.get(mk, start), start)
+        return JobState(newest.tenant, newest.job, newest.model_b64, newest.saved_at_ns, newest.last_window_ns,
+                        marks)
 
     def key(self) -> bytes:
         return f"{self.tenant}/{self.job}".encode()

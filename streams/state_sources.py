@@ -3,7 +3,8 @@
 - ModelStateTopic: the `<prefix>.model-state` topic itself, read to its end
   before the first answer after each `invalidate()`, so a worker that just
   took a partition over sees everything the previous owner published before
-  letting it go. The processor invalidates whenever a message comes from an
+  letting it go; each message is folded into the job's state held so far
+  (JobState.folded), so a stale state written late cannot undo a newer one. The processor invalidates whenever a message comes from an
   input partition it does not hold yet (a start, an assignment, a partition
   back after a revoke). Between those, only this worker publishes its jobs'
   states, so the topic holds nothing new for them: reading it to its end on
@@ -99,7 +100,8 @@ class ModelStateTopic:
             return
         try:
             state = JobState.decode(msg.value())
-            self._latest[(state.tenant, state.job)] = state
+            held = self._latest.get((state.tenant, state.job))
+            self._latest[(state.tenant, state.job)] = state if held is None else held.folded(state)
         except ValueError as exc:
             self.unreadable += 1
             log.warning("skipped an unreadable %s message at %d/%d: %s", self.topic,

@@ -50,6 +50,38 @@ def test_many_new_jobs_cost_one_read_to_the_end_and_an_invalidation_reads_what_o
         reader.close()
 
 
+def test_a_stale_state_written_after_a_newer_one_does_not_undo_it(broker, tmp_path):
+    """A producer's first attempt, timed out at the client, can be written after its resend: the topic then holds
+    the job's older state last. The reader keeps the newer state (by event time, its model included) and every
+    window mark at its larger value."""
+    cfg = Config(data_dir=tmp_path, topic_prefix=f"stale{uuid.uuid4().hex[:6]}")
+    topic = cfg.topic("model-state")
+    ensure_topics(broker.bootstrap, [topic], partitions=1)
+    newer = JobState("acme", "j", model_b64="bmV3ZXI=", saved_at_ns=T0 + 6 * SEC, last_window_ns=T0 + 5 * SEC,
+                     marks={("h1", 0): T0 + 5 * SEC, ("h1", 1): T0 + 4 * SEC})
+    stale = JobState("acme", "j", model_b64="b2xkZXI=", saved_at_ns=T0 + 3 * SEC, last_window_ns=T0 + 2 * SEC,
+                     marks={("h1", 0): T0 + 2 * SEC, ("h1", 1): T0 + 2 * SEC, ("h2", 0): T0 + SEC})
+    publish(broker.bootstrap, topic, [newer, stale])
+    reader = ModelStateTopic(client_conf(cfg, broker.bootstrap, **{"group.id": "stale-test"}), topic)
+    try:
+        got = reader.latest("acme", "j")
+    finally:
+        reader.close()
+    assert (got.last_window_ns, got.saved_at_ns, got.model_b64) == (T0 + 5 * SEC, T0 + 6 * SEC, "bmV3ZXI=")
+    assert got.marks == {("h1", 0): T0 + 5 * SEC, ("h1", 1): T0 + 4 * SEC, ("h2", 0): T0 + SEC}
+
+
+def test_folding_states_orders_them_by_event_time_then_save_time_and_keeps_each_marks_maximum():
+    a = JobState("t", "j", "A", saved_at_ns=10, last_window_ns=100, marks={("h", 0): 100})
+    b = JobState("t", "j", "B", saved_at_ns=5, last_window_ns=200, marks={("h", 0): 200, ("h", 1): 50})
+    assert a.folded(b).model_b64 == b.folded(a).model_b64 == "B"  # a later window wins over a later clock
+    assert a.folded(b).marks == b.folded(a).marks == {("h", 0): 200, ("h", 1): 50}
+    c = JobState("t", "j", "C", saved_at_ns=11, last_window_ns=100)
+    assert a.folded(c).model_b64 == c.folded(a).model_b64 == "C"  # same window: the later save
+    same = JobState("t", "j", "D", saved_at_ns=10, last_window_ns=100)
+    assert a.folded(same).model_b64 == "D"  # a full tie: the topic's order
+
+
 class RecordingStates:
     def __init__(self):
         self.invalidations = 0
