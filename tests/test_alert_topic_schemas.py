@@ -19,10 +19,9 @@ from confluent_kafka import Producer
 from fleetscope.config import Config
 from fleetscope.topic_reader import read_topic
 from fleetscope.topics import all_topics, ensure_topics
-from fleetscope.wire import encode
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, SCHEMA_FILES
-from fleetscope.streams.processor import MessageRef, StreamProcessor
-from support.straggler_job import StragglerJob, recent_start_ns
+from fleetscope.streams.processor import StreamProcessor
+from support.straggler_job import StoppedClock, StragglerJob, feed, recent_start_ns
 
 WARMUP, ONSET, WINDOWS = 8, 14, 24
 HEADER_OF_TOPIC = {"anomalies": ANOMALY_SCHEMA, "diagnoses": DIAGNOSIS_SCHEMA}
@@ -38,25 +37,13 @@ def validator(header: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(schema)
 
 
-class StoppedClock:
-    """The processor's monotonic clock: flushes are forced here, so it never needs to move."""
-
-    def __call__(self) -> float:
-        return 0.0
-
-
 def published_alerts(store, tmp_path, bootstrap: str) -> dict[str, list[tuple[dict, bytes]]]:
     prefix = f"s{uuid.uuid4().hex[:8]}"
     cfg = Config(data_dir=tmp_path, topic_prefix=prefix, partitions=1, window_s=1.0, allowed_lateness_s=0.5,
                  idle_close_s=30, warmup_windows=WARMUP, model_checkpoint_s=0)
     ensure_topics(bootstrap, all_topics(cfg), 1)
     proc = StreamProcessor(cfg, store, producer=Producer({"bootstrap.servers": bootstrap}), clock=StoppedClock())
-    job, offset = StragglerJob(recent_start_ns(), ONSET), 0
-    for tick in range(2 * WINDOWS):
-        for batch in job.tick(tick):
-            proc.handle(encode(batch), None, MessageRef(f"{prefix}.raw.{batch.source}", 0, offset))
-            offset += 1
-        proc.flush()
+    feed(proc, StragglerJob(recent_start_ns(), ONSET), WINDOWS, prefix)
     assert proc.snapshot()["model_diagnoses"] > 0, proc.snapshot()
 
     got: dict[str, list[tuple[dict, bytes]]] = {t: [] for t in HEADER_OF_TOPIC}

@@ -70,3 +70,23 @@ class StragglerJob:
                 "device": StrColumn.constant("all", n), "value": np.array((busy, 0.05, 0.2, 0.0, 1000.0, 600.0), "<f8"),
                 "interval_ns": np.array([TICK] * 4 + [0, 0], "<i8")}
         return Batch("host", host, cols, created_ns=ts)
+
+
+class StoppedClock:
+    """A processor's monotonic clock where flushes are forced: it never needs to move."""
+
+    def __call__(self) -> float:
+        return 0.0
+
+
+def feed(proc, job: StragglerJob, windows: int, prefix: str = "fleetscope") -> None:
+    """The job's batches for `windows` windows into the processor, as its worker would get them, one forced flush
+    per 0.5 s tick."""
+    from fleetscope.streams.processor import MessageRef
+    from fleetscope.wire import encode
+    offset = 0
+    for tick in range(2 * windows):
+        for batch in job.tick(tick):
+            proc.handle(encode(batch), None, MessageRef(f"{prefix}.raw.{batch.source}", 0, offset))
+            offset += 1
+        proc.flush()

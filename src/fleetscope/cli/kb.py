@@ -1,4 +1,4 @@
-"""CLI for diagnosis: `kb list|show`, `diagnose`, `remediate`.
+"""CLI for diagnosis: `kb list|show|replay`, `diagnose`, `remediate`.
 
 `register(subparsers)` adds the commands to fleetscope's parser; each handler
 takes (args, cfg). Reading goes through the store with parameterized SQL;
@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     show = kb_sub.add_parser("show", help="one entry in full")
     show.add_argument("name", help="the entry's name, as `kb list` shows it")
     show.set_defaults(func=_with_cfg(cmd_kb_show))
+    from fleetscope.cli.kb_replay import register as register_replay
+    register_replay(kb_sub, _selection, _with_cfg)
 
     diag = subparsers.add_parser("diagnose", help="what happened to a job: diagnoses ranked, with evidence")
     _selection(diag)
