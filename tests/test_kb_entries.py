@@ -186,6 +186,25 @@ def test_an_unless_condition_is_checked_like_any_other_and_a_masked_one_holds_no
         load_kb(tmp_path)
 
 
+def test_a_support_condition_alone_makes_no_candidate_and_its_names_are_checked(tmp_path):
+    doc = _good()
+    doc["rules"]["support"] = [{"peer_z": "runq_wait_threads", "op": ">=", "value": 3}]
+    doc["rules"]["all"] = []
+    doc["rules"]["any"] = [{"feature": "cpu_steal_frac", "op": ">=", "value": 0.05}]
+    _write(tmp_path, "demo", doc)
+    entry = load_kb(tmp_path)["demo"]
+    assert [c.describe() for c in entry.support_rules] == ["peer_z.runq_wait_threads >= 3"]
+    waits = anomaly({"cpu_busy_frac": 0.95, "cpu_steal_frac": 0.0}, {"runq_wait_threads": 8})
+    assert diagnose(waits, {"demo": entry}).matches == []        # support held, nothing else: no candidate
+    waits.features["cpu_steal_frac"] = 0.2
+    held = diagnose(waits, {"demo": entry}).matches[0].held
+    assert held == ("cpu_steal_frac >= 0.05", "peer_z.runq_wait_threads >= 3")
+    doc["rules"]["support"] = [{"peer_z": "runq_wait", "op": ">=", "value": 3}]
+    _write(tmp_path, "demo", doc)
+    with pytest.raises(KBError, match="runq_wait"):
+        load_kb(tmp_path)
+
+
 def test_loader_reports_every_bad_file_and_accepts_good_ones(tmp_path):
     _write(tmp_path, "good", _good("good"))
     assert set(load_kb(tmp_path)) == {"good"}

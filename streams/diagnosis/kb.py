@@ -13,6 +13,8 @@ A file holds (every field is checked on load; an error names file and field):
         - {peer_z: nccl_lat_p99_ns, op: ">=", value: 3, abs: false}
       unless:                          # optional: the entry does not apply where one holds
         - {feature: outside_cpu_rise_cores, op: ">=", value: 0.5}
+      support:                         # optional: raise the confidence where they hold; never enough alone
+        - {peer_z: runq_wait_threads, op: ">=", value: 3}
     evidence: [numa_miss_ratio, ...]   # features to show with a diagnosis
     remediation:
       command: "numactl --cpunodebind={numa_node} --membind={numa_node} -- ..."
@@ -37,7 +39,10 @@ A condition reads the window's feature value (`feature`) or its peer z-score
 its condition false, unless it says `if_present: true`: then an absent input
 holds (a GPU condition that a CPU-only job cannot be asked about). An `unless` condition names what a more
 specific entry explains: the entry is no candidate where one holds (a masked input holds none), so a job slowed
-by load from outside it is a noisy neighbour, not a job-wide slowdown of unknown cause. `roles` limits an entry to the windows
+by load from outside it is a noisy neighbour, not a job-wide slowdown of unknown cause. A `support` condition
+counts toward the confidence like the others but makes no window a candidate: it is what the entry's story also
+shows, and what another story shows too (a rank that waits to run more than its peers is a noisy neighbour's
+victim only if something else took its host's CPU; alone, it is a straggler). `roles` limits an entry to the windows
 whose role (streams/model/roles.py) fits its story: a job-wide slowdown explains the ranks flagged `job`
 or `node`, not a culprit whose peers wait for it. `{name}` placeholders in commands are filled per argv
 token at plan time (remediation.py), never through a shell.
@@ -138,6 +143,7 @@ class Entry:
     missing: tuple[str, ...] = ()   # inputs its rules wait for (`requires:`): empty when it can match today
     roles: tuple[str, ...] = ROLES  # the roles of flagged windows it can explain
     unless_rules: tuple[Condition, ...] = ()   # where one holds, the entry does not apply
+    support_rules: tuple[Condition, ...] = ()  # count toward the confidence where they hold; never decide
 
     def explains_role(self, role: str) -> bool:
         """An anomaly without a role (stored before roles existed) fits every entry."""
@@ -194,10 +200,11 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     except (TypeError, ValueError) as exc:
         raise KBError(str(exc) if str(exc).startswith(where) else f"{where}: fingerprint: {exc}") from None
     rules = _required(doc, "rules", dict, where)
-    _no_unknown(rules, {"all", "any", "unless"}, f"{where}: rules")
+    _no_unknown(rules, {"all", "any", "unless", "support"}, f"{where}: rules")
     all_rules = _conditions(rules.get("all", []), f"{where}: rules.all")
     any_rules = _conditions(rules.get("any", []), f"{where}: rules.any")
     unless_rules = _conditions(rules.get("unless", []), f"{where}: rules.unless")
+    support_rules = _conditions(rules.get("support", []), f"{where}: rules.support")
     if not all_rules and not any_rules:
         raise KBError(f"{where}: rules: give at least one condition under `all` or `any`")
     evidence = _required(doc, "evidence", list, where)
@@ -207,12 +214,12 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     requires = doc.get("requires", [])
     if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
         raise KBError(f"{where}: requires: must be a list of feature names (or peer_z.<feature>)")
-    missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where, unless_rules)
+    missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where, unless_rules + support_rules)
     roles = doc.get("roles", list(ROLES))
     if not isinstance(roles, list) or not roles or not all(r in ROLES for r in roles):
         raise KBError(f"{where}: roles: must be a non-empty list of {list(ROLES)}, got {roles!r}")
     return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path, missing,
-                 tuple(roles), unless_rules)
+                 tuple(roles), unless_rules, support_rules)
 
 
 def _need(c: Condition) -> str:
@@ -225,10 +232,10 @@ def _computed(need: str) -> bool:
 
 
 def _missing_inputs(all_rules, any_rules, evidence, requires: tuple[str, ...], where: str,
-                    unless_rules=()) -> tuple[str, ...]:
+                    other_rules=()) -> tuple[str, ...]:
     """The inputs an entry's rules wait for; KBError for a name no builder emits that `requires` does not list."""
     waited = {r[len("peer_z."):] if r.startswith("peer_z.") else r for r in requires}
-    named = ([(f"rules: {_need(c)}", c.name) for c in all_rules + any_rules + tuple(unless_rules)]
+    named = ([(f"rules: {_need(c)}", c.name) for c in all_rules + any_rules + tuple(other_rules)]
              + [("evidence", e) for e in evidence])
     for place, feature in named:
         if feature not in ALL_FEATURES and feature not in waited:

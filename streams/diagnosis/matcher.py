@@ -3,11 +3,13 @@
 An entry is a candidate only when the anomaly's role is one it explains
 (`roles`) and its rules pass: every `all` condition holds, if it has
 `any` conditions at least one does, and none of its `unless` conditions does. A masked input
-makes its condition false, so an entry never matches on missing data.
+makes its condition false, so an entry never matches on missing data. Its `support` conditions
+decide nothing; where they hold they raise the rule part.
 
 confidence = 0.5 * rule_part + 0.5 * pattern_part, where
-- rule_part    = (conditions that held) / (conditions the entry has), so an
-                 entry whose `any` alternatives all hold is surer;
+- rule_part    = (conditions that held) / (conditions the entry has, `unless`
+                 aside), so an entry whose `any` and `support` conditions all
+                 hold is surer;
 - pattern_part = max(0, cosine similarity of the window's fingerprint and
                  the entry's fingerprint pattern).
 
@@ -80,9 +82,10 @@ def match_entry(entry: Entry, anomaly: Anomaly, attribution: Attribution) -> Mat
     any_held = [c for c in entry.any_rules if c.holds(feats, peers)]
     if entry.any_rules and not any_held:
         return None
-    held = [c.describe() for c in entry.all_rules] + [c.describe() for c in any_held]
+    support_held = [c for c in entry.support_rules if c.holds(feats, peers)]
+    held = [c.describe() for c in (*entry.all_rules, *any_held, *support_held)]
     loud = any(c.name in LOUD for c in (*entry.all_rules, *any_held))
-    rule_part = len(held) / (len(entry.all_rules) + len(entry.any_rules))
+    rule_part = len(held) / (len(entry.all_rules) + len(entry.any_rules) + len(entry.support_rules))
     sim = similarity(attribution.fingerprint, entry.fingerprint)
     confidence = 1.0 if loud else 0.5 * rule_part + 0.5 * max(0.0, sim)
     return Match(entry.name, round(confidence, 6), round(sim, 6), tuple(held), evidence_of(anomaly, entry.evidence),

@@ -104,6 +104,10 @@ def cmd_kb_show(args, cfg) -> int:
     print("rules: all of: " + ("; ".join(c.describe() for c in e.all_rules) or "-"))
     if e.any_rules:
         print("       any of: " + "; ".join(c.describe() for c in e.any_rules))
+    if e.unless_rules:
+        print("       not where: " + "; ".join(c.describe() for c in e.unless_rules))
+    if e.support_rules:
+        print("       surer where: " + "; ".join(c.describe() for c in e.support_rules))
     print(f"evidence: {', '.join(e.evidence)}")
     if not e.reachable:
         print(f"not reachable yet: the pipeline computes no {', '.join(e.missing)}")
