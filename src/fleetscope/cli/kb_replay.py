@@ -47,7 +47,7 @@ def cmd_kb_replay(args, cfg) -> int:
           f"the top entry changes in {len(changed)}\n")
     for rank, d in result.by_rank().items():
         print(f"rank {rank}\n  stored:   {_counts(d['stored'])}\n  replayed: {_counts(d['replayed'])}")
-    if changed:
+    if changed and args.limit > 0:
         print(f"\nchanged windows (first {min(len(changed), args.limit)}):")
         for r in changed[:args.limit]:
             print(f"  {_iso(r.window_ns // 10**6)} rank {r.rank} on {r.host} ({r.role or 'no role'}): "
