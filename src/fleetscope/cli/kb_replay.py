@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 
 def register(kb_sub, selection, with_cfg) -> None:
@@ -19,11 +20,13 @@ def register(kb_sub, selection, with_cfg) -> None:
 
 
 def cmd_kb_replay(args, cfg) -> int:
-    from fleetscope.cli.kb import _iso, _kb, _open_store, parse_since
+    from fleetscope.cli.common import open_configured_store
+    from fleetscope.cli.since import iso_utc as _iso, parse_since
+    from fleetscope.streams.diagnosis.kb import KB_DIR, load_kb
     from fleetscope.streams.diagnosis.replay import replay
     since_ms = parse_since(args.since)
-    kb = _kb(args)
-    store = _open_store(cfg)
+    kb = load_kb(Path(args.kb_dir) if getattr(args, "kb_dir", None) else KB_DIR)
+    store = open_configured_store(cfg)
     try:
         result = replay(store, kb, args.job, since_ms, args.tenant)
     finally:
