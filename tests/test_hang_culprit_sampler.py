@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from fleetscope.eval.gpu_stub.batches import rows as batch_rows
 from fleetscope.producers.identity import IdentityResolver
 from fleetscope.streams.stack_signature import FEATURE, frame_id, top_frame_features
 from fleetscope.streams.windows import WindowAssembler
@@ -44,23 +46,35 @@ def blocked(ready):
 MODES = {0: "spin", 1: "stuck", 2: "spin", 3: "blocked"}   # rank -> what it does
 
 
-def test_ranks_in_the_same_function_share_an_id_and_the_odd_one_out_differs(tmp_path):
+@contextmanager
+def sampled_ranks(tmp_path: Path, modes: dict[int, str], job: str, window_s: int):
+    """The program's ranks started in `modes`, each added to a PythonSampler once in its function (start-up
+    is not); yields (sampler, {rank: process}); kills them and closes the sampler after."""
     from fleetscope.producers.tracers.python_sampler import PythonSampler
     program = tmp_path / "ranks.py"
     program.write_text(PROGRAM)
     procs = {}
-    sampler = PythonSampler("node-a", resolver=IdentityResolver(host="node-a"), rate_hz=49, window_s=1)
+    sampler = PythonSampler("node-a", resolver=IdentityResolver(host="node-a"), rate_hz=49, window_s=window_s)
     try:
-        for rank, mode in MODES.items():
-            env = {**os.environ, "RANK": str(rank), "FLEETSCOPE_JOB": "hangtest"}
+        for rank, mode in modes.items():
             procs[rank] = subprocess.Popen([sys.executable, str(program), mode, str(tmp_path / f"ready{rank}")],
-                                           env=env)
+                                           env={**os.environ, "RANK": str(rank), "FLEETSCOPE_JOB": job})
         deadline = time.monotonic() + 60
-        for rank, p in procs.items():   # each in its function before it is sampled (start-up is not)
+        for rank, p in procs.items():
             while not (tmp_path / f"ready{rank}").exists():
                 assert p.poll() is None and time.monotonic() < deadline, f"rank {rank} did not start"
                 time.sleep(0.05)
             assert sampler.add_pid(p.pid)
+        yield sampler, procs
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=10)
+        sampler.close()
+
+
+def test_ranks_in_the_same_function_share_an_id_and_the_odd_one_out_differs(tmp_path):
+    with sampled_ranks(tmp_path, MODES, "hangtest", window_s=1) as (sampler, procs):
         # the first windows may hold start-up stacks from before a ready file; keep the rows of later ones
         assembler = WindowAssembler(window_s=60.0, allowed_lateness_s=0, idle_close_s=600)
         windows_seen: dict[int, int] = {rank: 0 for rank in MODES}
@@ -76,16 +90,37 @@ def test_ranks_in_the_same_function_share_an_id_and_the_odd_one_out_differs(tmp_
                 if min(windows_seen.values()) >= 2:
                     assembler.add(batch, None)
             time.sleep(0.1)
-    finally:
-        for p in procs.values():
-            p.kill()
-            p.wait(timeout=10)
-        sampler.close()
     ids = {}
     for w in assembler.pop_closed(force=True):
         assert w.key[1] == "hangtest"
         ids.setdefault(w.key[3], set()).add(top_frame_features(w).get(FEATURE))
-    module = program.stem
+    module = "ranks"
     assert ids[0] == ids[2] == {frame_id(f"{module}:spin")}, ids
     assert ids[1] == {frame_id(f"{module}:stuck")}, ids
     assert ids[3] == {frame_id(f"{module}:blocked")}, ids
+
+
+def test_a_rank_that_goes_idle_is_dumped_at_once_not_at_its_window_end(tmp_path):
+    """A hung rank and the peers blocked on it go idle together; their stacks are read then (idle_watch.py), not
+    at the end of the sampler's window (here 60 s, past the test's deadline), and a busy rank's is not."""
+    modes = {0: "spin", 1: "stuck", 2: "blocked"}
+    tops: dict[int, list[str]] = {rank: [] for rank in modes}
+    with sampled_ranks(tmp_path, modes, "idletest", window_s=60) as (sampler, procs):
+        by_pid = {p.pid: rank for rank, p in procs.items()}
+
+        def collect():
+            batch = sampler.sample()
+            for row in batch_rows(batch) if batch is not None else []:   # validated, through the wire codec
+                assert row["metric"] == "python.stack_top", row   # the window's own rows wait for its end
+                tops[by_pid[int(row["pid"])]].append(row["device"])
+        deadline = time.monotonic() + 30
+        while not (tops[1] and tops[2]):
+            assert time.monotonic() < deadline, f"no dump of the idle ranks: {tops}"
+            collect()
+            time.sleep(0.2)
+        for _ in range(10):   # a spell is dumped once, and a busy rank not at all
+            collect()
+            time.sleep(0.2)
+    module = "ranks"
+    assert tops == {0: [], 1: [f"{module}:stuck"], 2: [f"{module}:blocked"]}, tops
+    assert sampler.idle_dumps == 2

@@ -25,7 +25,8 @@ Rows (source "python_sampler"), per pid, when a window ends:
   innermost frame (its own time), top `top_n`.
 - python.stack_top, device "module:function": the innermost frame of the
   main thread's stack when the window ended, idle or not (one `py-spy dump
-  --nonblocking --json` per pid and window, ~10 ms): where the rank is
+  --nonblocking --json` per pid and window, ~10 ms), and also, alone, when
+  the process goes idle between window ends (idle_watch.py): where the rank is
   blocked, for telling a hung job's stuck rank from the ranks waiting in the
   collective (streams/stack_signature.py). Idle threads are exactly what the
   shares above leave out, and a rank waiting in a collective is idle.
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetscope.wire import Batch
+from fleetscope.producers.tracers.idle_watch import IdleWatch
 from fleetscope.producers.tracers.kernel import TracerUnavailable
 from fleetscope.producers.tracers.python_vm import module_name
 from fleetscope.producers.tracers.rows import RowIdentity, identity, metric_batch
@@ -172,6 +174,8 @@ class PythonSampler:
         self._dir = Path(tempfile.mkdtemp(prefix="fleetscope-pysample-"))
         self._on = True
         self._finished: list[tuple] = []  # rows of windows that ended since the last sample()
+        self.idle_watch = IdleWatch()
+        self.idle_dumps = 0   # stacks read as a process went idle, between its windows' own dumps
 
     # -- targets ---------------------------------------------------------------
     def add_pid(self, pid: int) -> bool:
@@ -233,7 +237,14 @@ class PythonSampler:
         now_ns = time.time_ns() if now_ns is None else int(now_ns)
         rows: list[tuple] = []
         ended = [(pid, w) for pid, w in list(self.windows.items()) if w is not None and w.proc.poll() is not None]
-        tops = self._stack_tops([pid for pid, _ in ended if os.path.exists(f"/proc/{pid}")])
+        # a rank that just went idle mid-window (hung, or blocked on one that is): where it is, now (idle_watch.py)
+        sampling = [pid for pid, w in self.windows.items() if w is not None]
+        idle = set(self.idle_watch.newly_idle(sampling, now_ns)) - {pid for pid, _ in ended}
+        tops = self._stack_tops([pid for pid, _ in ended if os.path.exists(f"/proc/{pid}")] + sorted(idle))
+        for pid in sorted(idle):
+            if pid in tops:
+                rows.append(("python.stack_top", tops[pid], 1.0, pid, 0, 1.0))
+                self.idle_dumps += 1
         for pid, window in ended:   # the others are off, or still sampling
             rows += self._window_rows(pid, window, now_ns, tops.get(pid))
             if os.path.exists(f"/proc/{pid}") and pid not in self.unavailable:

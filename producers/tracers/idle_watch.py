@@ -1,0 +1,64 @@
+"""Which traced processes just went idle: the moment to read where they are, before the next sampler window.
+
+The py-spy sampler (python_sampler.py) dumps each rank's main-thread stack at the end of its windows
+(5 s by default), staggered across ranks, so a hung job's stacks were all in only 4-5 s after the hang
+began (measured on the dev scenario hang_rank_short: rank 2's first dump in the hang came 5 windows in),
+and the worker can name a hang's culprit only from every rank's stack (streams/model/loud.py). A training
+rank is never idle for a whole second; a hung one, and every peer blocked waiting for it, is (its CPU
+time stops: 0.00-0.02 cores in every hang window of that run, 0.17 before). So the sampler dumps a
+process once as it goes idle, as ByteRobust and Mycroft dump stacks on a hang, and otherwise keeps
+its cadence. Cost: one read of /proc/<pid>/stat per process and tick while it runs, a dump (~10 ms
+of the agent's CPU, the traced process not stopped) per idle spell.
+"""
+from __future__ import annotations
+
+from fleetscope.producers.process_sampler import Vanished, parse_stat, read_file
+
+IDLE_CPU_FRAC = 0.05   # below 5% of one core over the span: idle (a training rank used 0.17 here)
+MIN_SPAN_S = 1.0       # judged over at least a second, so one blocked moment is not idle
+
+
+class IdleWatch:
+    """Per process: its CPU time at the start of the current span; whether its last span was idle."""
+
+    def __init__(self, idle_cpu_frac: float = IDLE_CPU_FRAC, min_span_s: float = MIN_SPAN_S):
+        self.idle_cpu_frac, self.min_span_ns = idle_cpu_frac, int(min_span_s * 1e9)
+        self.spans: dict[int, tuple[int, int]] = {}   # pid -> (span start, CPU ns then)
+        self.idle: set[int] = set()
+
+    def newly_idle(self, pids, now_ns: int, cpu_ns=None) -> list[int]:
+        """The pids whose span of at least min_span_s just ended idle after one that was not (or after none):
+        each idle spell is reported once. cpu_ns(pid) -> CPU time so far (default: /proc/<pid>/stat)."""
+        cpu_ns = cpu_ns or _cpu_ns
+        out = []
+        for pid in pids:
+            try:
+                used = cpu_ns(pid)
+            except (OSError, Vanished, ValueError, IndexError):
+                self.forget(pid)
+                continue
+            start = self.spans.get(pid)
+            if start is None:
+                self.spans[pid] = (now_ns, used)
+                continue
+            span = now_ns - start[0]
+            if span < self.min_span_ns:
+                continue
+            self.spans[pid] = (now_ns, used)
+            if (used - start[1]) / span < self.idle_cpu_frac:
+                if pid not in self.idle:
+                    self.idle.add(pid)
+                    out.append(pid)
+            else:
+                self.idle.discard(pid)
+        for gone in set(self.spans) - set(pids):
+            self.forget(gone)
+        return out
+
+    def forget(self, pid: int) -> None:
+        self.spans.pop(pid, None)
+        self.idle.discard(pid)
+
+
+def _cpu_ns(pid: int) -> int:
+    return int(parse_stat(read_file(f"/proc/{pid}/stat"))[1])
