@@ -123,8 +123,9 @@ def test_the_rank_whose_stack_differs_is_the_culprit_and_its_waiting_peers_are_n
 
     hung = hung_roles(store)
     windows = sorted({w for _, w in hung})
-    # from the step the silence is confirmed on (hang_windows, 4) to the last one closed (the last stays open)
-    assert windows == list(range(HUNG_AT + 3, WINDOWS - 1)), hung
+    # the stacks name the stuck rank in the first silent step (named_hang_windows, 1), before hang_windows (4)
+    # would confirm an unexplained silence; to the last step closed (the last stays open)
+    assert windows == list(range(HUNG_AT, WINDOWS - 1)), hung
     for w in windows:   # every hung step: the stuck rank the culprit, the others waiting on it
         assert {r: hung[(r, w)] for r in range(RANKS)} == {0: "waiting", 1: "culprit", 2: "waiting"}, hung
 
@@ -165,6 +166,28 @@ def test_without_a_strict_minority_of_stacks_every_hung_rank_stays_the_jobs(stor
     hung = hung_roles(store)
     assert hung and {r for r, _ in hung} == set(range(RANKS)), (case, hung)
     assert set(hung.values()) == {"job"}, (case, hung)
+    assert min(w for _, w in hung) == HUNG_AT + 3, (case, hung)   # unexplained: only hang_windows' silence
+
+
+def test_a_hang_its_stacks_name_is_alerted_in_its_first_silent_step_and_one_they_do_not_after_hang_windows():
+    members = [("node-a", r) for r in range(3)]
+    busy = {"nccl_calls_per_s": 10.0}
+    wait, stuck = frame_id(WAIT), frame_id("train:hang_while_set")
+    for stacks, first in (((wait, stuck, wait), 1), ((wait, wait, wait), 4)):
+        loud, job = LoudFailures(history=2, hang_windows=4), ("acme", "train")
+        for k in range(3):
+            assert loud.step(job, k, members, [dict(busy) for _ in members]) == []
+        flagged = []
+        for k in range(1, 6):
+            flags = loud.step(job, 2 + k, members, [{FEATURE: s} for s in stacks])
+            flagged += [k] if flags else []
+        assert flagged[0] == first and flagged == list(range(first, 6)), (stacks, flagged)
+    loud = LoudFailures(history=2, hang_windows=4, named_hang_windows=2)   # named_hang_windows is a setting
+    for k in range(3):
+        loud.step(("a", "j"), k, members, [dict(busy) for _ in members])
+    assert loud.step(("a", "j"), 3, members, [{FEATURE: s} for s in (wait, stuck, wait)]) == []
+    assert [f.role for f in loud.step(("a", "j"), 4, members, [{FEATURE: s} for s in (wait, stuck, wait)])] == \
+        ["waiting", "culprit", "waiting"]
 
 
 def test_only_signatures_read_inside_the_silence_count():

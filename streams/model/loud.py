@@ -47,9 +47,11 @@ GPU, see streams/rank_context.py):
   not, at the end of a sampler window). When every rank of the step
   is stalled and has one, and a strict majority shares one signature while
   the others differ, the others are ``culprit`` and the majority ``waiting``.
-  Otherwise (no sampler, a rank without a signature or not known to be
-  stalled, all alike, no majority) every rank gets role ``job``: never a
-  guess.
+  Such a named hang is alerted after ``named_hang_windows`` silent steps
+  (default 1: the goal is a hang within one window); a silence the stacks
+  cannot explain waits for ``hang_windows``. Otherwise (no sampler, a rank
+  without a signature or not known to be stalled, all alike, no majority)
+  every rank gets role ``job``: never a guess.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class LoudFlag:
 
 class LoudFailures:
     def __init__(self, history: int = 3, vanish_windows: int = 4, hang_windows: int = 4,
-                 crash_collateral_s: float = 10.0):
+                 named_hang_windows: int = 1, crash_collateral_s: float = 10.0):
         self.history = history
         self.crash_collateral_s = crash_collateral_s  # after a job's first crash, how long further crashes wait on it
         self.first_crash: dict[tuple[str, str], int] = {}           # job -> start of its first crashed step
@@ -92,6 +94,9 @@ class LoudFailures:
         self.crashed_at: dict[tuple[str, str], dict[tuple[str, int], int]] = {}
         self.vanish_windows = vanish_windows   # peers' steps without a rank before it is vanished
         self.hang_windows = hang_windows       # silent steps in a row, every rank reporting, before a hang
+        # ...before a hang whose stacks name its culprits (a strict minority in another function): sooner, since
+        # a whole job silent while most of it waits in one place and a few ranks elsewhere is what a hang is
+        self.named_hang_windows = min(named_hang_windows, hang_windows)
         self.members: dict[tuple[str, str], set[tuple[str, int]]] = {}
         # (job) -> {(host, rank): [first missing step start, peers' steps without it]}; -1 once flagged
         self.missing: dict[tuple[str, str], dict[tuple[str, int], list[int]]] = {}
@@ -205,9 +210,11 @@ class LoudFailures:
         for member, v in zip(members, vectors):
             if FRAME_FEATURE in v and math.isfinite(_num(v[FRAME_FEATURE])):
                 frames[member] = float(v[FRAME_FEATURE])
-        if silent[0] < self.hang_windows:
+        if silent[0] < self.named_hang_windows:
             return []
         roles = self._hang_roles([frames.get(m) for m in members]) if len(stalled) == len(members) else {}
+        if silent[0] < self.hang_windows and not roles:
+            return []   # all alike (a phase every rank is in) or no stacks: only a longer silence is a hang
         return [LoudFlag(i, members[i][0], members[i][1], "hung", {"collective_stalled": 1.0},
                          role=roles.get(i, JOB)) for i in stalled]
 
