@@ -346,7 +346,10 @@ class Scorer:
         """A rank-window stays flagged once its rank was flagged in K of its last N windows; loud rows alert
         at once (model/confirmation.py). The others are stored unflagged, detector ``unconfirmed``."""
         for i, ((w, _), s) in enumerate(zip(members, results)):
-            if self.confirmation.confirm(w.key, start, s.is_anomaly) or not s.is_anomaly or i in loud_rows:
+            # a loud flag alerted on its own: it confirms none of the model's later ones (after a hang, the first
+            # windows of the resumed job confirmed their lone flags on the hang's: 3 to 5 false culprit flags)
+            if self.confirmation.confirm(w.key, start, s.is_anomaly and i not in loud_rows) or not s.is_anomaly \
+                    or i in loud_rows:
                 continue
             s.is_anomaly = False
             s.detectors.append(UNCONFIRMED)

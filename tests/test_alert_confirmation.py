@@ -78,3 +78,24 @@ def test_a_checkpoint_part_with_a_wrong_shape_is_refused():
                                            **{f"part_confirmation/{k}": v for k, v in arrays.items()}})
     with pytest.raises(CheckpointError, match="part_confirmation/rank"):
         checkpoint.load(blob, JobModel, {"confirmation": AlertConfirmation(3, 5, SEC).part(("acme", "job-1"))})
+
+
+def test_a_loud_flag_alerts_alone_and_confirms_none_of_the_model_s_later_ones(tmp_path):
+    """Scorer._confirm, the real one: a hang's windows (loud rows) alert at once and leave no history, so the
+    resumed job's first lone model flag is held back as any blip is (it was confirmed on the hang's flags)."""
+    from types import SimpleNamespace
+
+    from fleetscope.config import Config
+    from fleetscope.streams.model.config import WindowScore
+    from fleetscope.streams.scoring import Scorer
+
+    scorer = Scorer(Config(data_dir=tmp_path, alert_confirm="3 of 5"), store=None)
+    members = [(SimpleNamespace(key=KEY), None)]
+    alerted = []
+    for t, (flagged, loud) in enumerate([(True, True)] * 3 + [(True, False), (False, False), (True, False),
+                                                               (True, False)]):
+        results, roles = [WindowScore(3, 1.0, 0.5, flagged, ["hung" if loud else "gmm"])], ["culprit"]
+        scorer._confirm(members, t * SEC, results, roles, {0} if loud else set())
+        alerted.append(results[0].is_anomaly)
+    # the hang's three windows alert; after it, the model's flags need three of five of their own
+    assert alerted == [True, True, True, False, False, False, True]

@@ -232,3 +232,24 @@ def test_a_gloo_job_whose_waits_the_governor_detaches_still_hangs_on_its_collect
         flags.append(loud.step(job, T0 + k * SEC, members, [dict(v) for _ in members]))
     assert [len(f) for f in flags] == [0, 0, 3, 3]
     assert {(f.rank, f.kind) for f in flags[2]} == {(0, "hung"), (1, "hung"), (2, "hung")}
+
+
+def test_the_step_a_hang_ends_in_keeps_its_roles_and_the_next_one_is_the_job_s_again():
+    """Calls return part-way through a step: the job ran slower in it because of the hang, so its ranks keep the
+    hang's roles there rather than a new job-wide change's (role job for every rank, the waiting ones too)."""
+    members = [("node-a", r) for r in range(3)]
+    busy = {"nccl_calls_per_s": 10.0}
+    wait, stuck = frame_id(WAIT), frame_id("train:hang_while_set")
+    loud, job = LoudFailures(history=2, hang_windows=4), ("acme", "train")
+    for k in range(3):
+        loud.step(job, k, members, [dict(busy) for _ in members])
+    for k in range(3, 6):
+        assert len(loud.step(job, k, members, [{FEATURE: s} for s in (wait, stuck, wait)])) == 3
+    ended = loud.step(job, 6, members, [{"nccl_calls_per_s": 4.0} for _ in members])
+    assert [(f.rank, f.kind, f.role) for f in ended] == [(0, "hung", "waiting"), (1, "hung", "culprit"),
+                                                       (2, "hung", "waiting")]
+    assert loud.step(job, 7, members, [dict(busy) for _ in members]) == []
+    # a silence never flagged leaves nothing behind when its calls return
+    for k in range(8, 10):
+        assert loud.step(job, k, members, [{FEATURE: wait} for _ in members]) == []
+    assert loud.step(job, 10, members, [dict(busy) for _ in members]) == []

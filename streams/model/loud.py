@@ -51,7 +51,9 @@ GPU, see streams/rank_context.py):
   (default 1: the goal is a hang within one window); a silence the stacks
   cannot explain waits for ``hang_windows``. Otherwise (no sampler, a rank
   without a signature or not known to be stalled, all alike, no majority)
-  every rank gets role ``job``: never a guess.
+  every rank gets role ``job``: never a guess. The step in which a flagged
+  hang's calls return is flagged too, with the hang's roles: part of it was
+  hung.
 """
 from __future__ import annotations
 
@@ -102,6 +104,7 @@ class LoudFailures:
         self.missing: dict[tuple[str, str], dict[tuple[str, int], list[int]]] = {}
         self.silent: dict[tuple[str, str], list[int]] = {}         # the job's silent steps in a row
         self.frames: dict[tuple[str, str], dict[tuple[str, int], float]] = {}  # latest top frame in the silence
+        self.hang_roles: dict[tuple[str, str], dict[tuple[str, int], str]] = {}  # the flagged hang's roles
         self.gloo: set[tuple[str, str, str, int]] = set()          # ranks whose collectives the torch tracer reports
         self.newest: dict[tuple[str, str], int] = {}               # the job's newest step start
         self.calling: dict[tuple[str, str, str, int], int] = {}   # windows in a row with completed collectives
@@ -205,7 +208,7 @@ class LoudFailures:
         if not stalled or calling or leaving:
             silent[0] = 0   # calls return, or a rank stopped reporting (the job ending, or vanished's to judge)
             frames.clear()  # stacks from before a silence say nothing about it
-            return []
+            return self._hang_ended(job, members, calling > 0 and not leaving)
         silent[0] += 1
         for member, v in zip(members, vectors):
             if FRAME_FEATURE in v and math.isfinite(_num(v[FRAME_FEATURE])):
@@ -215,8 +218,19 @@ class LoudFailures:
         roles = self._hang_roles([frames.get(m) for m in members]) if len(stalled) == len(members) else {}
         if silent[0] < self.hang_windows and not roles:
             return []   # all alike (a phase every rank is in) or no stacks: only a longer silence is a hang
+        self.hang_roles[job] = {members[i]: roles.get(i, JOB) for i in stalled}
         return [LoudFlag(i, members[i][0], members[i][1], "hung", {"collective_stalled": 1.0},
                          role=roles.get(i, JOB)) for i in stalled]
+
+    def _hang_ended(self, job, members, resumed: bool) -> list[LoudFlag]:
+        """The step a flagged hang's calls return in was hung for part of it: its ranks keep the hang's roles there
+        (the job's slower rate in that step is the hang's, not a new change that every rank shares: on the dev
+        scenario hang_rank_short the job's rate flagged each rank role job in it, the waiting ones included)."""
+        roles = self.hang_roles.pop(job, {})
+        if not resumed:
+            return []
+        return [LoudFlag(i, m[0], m[1], "hung", {"collective_stalled": 1.0}, role=roles[m])
+                for i, m in enumerate(members) if m in roles]
 
     @staticmethod
     def _hang_roles(signatures: Sequence[float | None]) -> dict[int, str]:
