@@ -41,3 +41,10 @@ def test_the_cpu_clock_is_this_process_s_own():
     while _cpu_ns(os.getpid()) == before:   # spins until the kernel's clock ticks past
         x += 1
     assert _cpu_ns(os.getpid()) > before
+
+
+def test_by_default_every_tick_of_the_agent_judges_even_one_that_comes_a_little_early():
+    used = {1: 0}
+    watch = IdleWatch()
+    assert watch.newly_idle([1], 0, used.__getitem__) == []
+    assert watch.newly_idle([1], SEC - SEC // 100, used.__getitem__) == [1]   # 0.99 s after: judged, idle

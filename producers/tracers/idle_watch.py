@@ -4,7 +4,7 @@ The py-spy sampler (python_sampler.py) dumps each rank's main-thread stack at th
 (5 s by default), staggered across ranks, so a hung job's stacks were all in only 4-5 s after the hang
 began (measured on the dev scenario hang_rank_short: rank 2's first dump in the hang came 5 windows in),
 and the worker can name a hang's culprit only from every rank's stack (streams/model/loud.py). A training
-rank is never idle for a whole second; a hung one, and every peer blocked waiting for it, is (its CPU
+rank is never idle for most of a second; a hung one, and every peer blocked waiting for it, is (its CPU
 time stops: 0.00-0.02 cores in every hang window of that run, 0.17 before). So the sampler dumps a
 process once as it goes idle, as ByteRobust and Mycroft dump stacks on a hang, and otherwise keeps
 its cadence. Cost: one read of /proc/<pid>/stat per process and tick while it runs, a dump (~10 ms
@@ -15,7 +15,9 @@ from __future__ import annotations
 from fleetscope.producers.process_sampler import Vanished, parse_stat, read_file
 
 IDLE_CPU_FRAC = 0.05   # below 5% of one core over the span: idle (a training rank used 0.17 here)
-MIN_SPAN_S = 1.0       # judged over at least a second, so one blocked moment is not idle
+# judged over at least 0.75 s, so one blocked moment is not idle; under the agent's 1 s tick, so each tick judges
+# (at 1.0 a tick that came a hair early waited for the next: the dev hang's waiting ranks were dumped a window late)
+MIN_SPAN_S = 0.75
 
 
 class IdleWatch:
