@@ -10,9 +10,9 @@ from fleetscope.producers.tracers.idle_watch import IdleWatch, _cpu_ns
 SEC = 10**9
 
 
-def test_a_process_is_reported_once_as_it_goes_idle_and_again_only_after_it_was_busy():
+def test_a_process_is_reported_as_it_goes_idle_and_again_only_after_it_was_busy():
     used = {1: 0, 2: 0}
-    watch = IdleWatch(idle_cpu_frac=0.05, min_span_s=1.0)
+    watch = IdleWatch(idle_cpu_frac=0.05, min_span_s=1.0, dumps_per_spell=1)
     seen = []
     for t, busy in enumerate([True, True, False, False, False, True, False]):
         used[1] += SEC // 5 if busy else SEC // 100   # 0.2 cores, then 0.01
@@ -24,7 +24,7 @@ def test_a_process_is_reported_once_as_it_goes_idle_and_again_only_after_it_was_
 
 def test_shorter_spans_wait_and_a_process_gone_is_forgotten():
     used = {1: 0}
-    watch = IdleWatch(min_span_s=1.0)
+    watch = IdleWatch(min_span_s=1.0, dumps_per_spell=1)
     assert watch.newly_idle([1], 0, used.__getitem__) == []
     assert watch.newly_idle([1], SEC // 2, used.__getitem__) == []    # half a second: not judged yet
     assert watch.newly_idle([1], SEC, used.__getitem__) == [1]
@@ -48,3 +48,11 @@ def test_by_default_every_tick_of_the_agent_judges_even_one_that_comes_a_little_
     watch = IdleWatch()
     assert watch.newly_idle([1], 0, used.__getitem__) == []
     assert watch.newly_idle([1], SEC - SEC // 100, used.__getitem__) == [1]   # 0.99 s after: judged, idle
+
+
+def test_by_default_the_first_three_ticks_of_a_spell_are_reported():
+    """A spell that starts at a stream window's very end is dumped in the next windows too (idle_watch.py)."""
+    used = {1: 0}
+    watch = IdleWatch()
+    seen = [watch.newly_idle([1], t * SEC, used.__getitem__) for t in range(6)]
+    assert seen == [[], [1], [1], [1], [], []]
