@@ -329,6 +329,9 @@ class TracerManager:
                "trace_errors": self.errors, "trace_hit_cost_ns": self.hit_cost_ns,
                "trace_samples_deferred": self.deferred, "trace_attach_failures": self.attach_failures,
                "trace_attach_given_up": self.attach_given_up}
+        dumps = [t.idle_dumps for t in self.tracers.values() if hasattr(t, "idle_dumps")]
+        if dumps:   # stacks the py-spy sampler read as a process went idle (idle_watch.py)
+            out["trace_python_idle_dumps"] = sum(dumps)
         if self.last_decision is not None:
             d = self.last_decision
             out["trace_budget_used_frac"] = d.spent_s / d.budget_s if d.budget_s > 0 else 0.0
