@@ -103,6 +103,12 @@ def parse_stat(raw: bytes) -> tuple[int, float, float, float, float, float, int]
             float(fields[9]), float(fields[17]), float(fields[21]), int(fields[36]))
 
 
+def process_cpu_ns(pid: int) -> float:
+    """The process's user+system CPU time so far (all its threads), in ns. Raises OSError or Vanished when it is
+    gone."""
+    return parse_stat(read_file(f"/proc/{pid}/stat"))[1]
+
+
 def parse_keyed(raw: bytes, keys: tuple[bytes, ...]) -> list[float]:
     """Values of `keys` ("name:  value" lines), in order; KeyError if one is missing.
 

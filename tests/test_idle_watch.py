@@ -1,11 +1,12 @@
-"""IdleWatch (producers/tracers/idle_watch.py): which processes just went idle, once per idle spell. The CPU
-clock here is a function the test sets, so that spans and CPU use are exact; the real /proc path is tested
-with real processes in test_hang_culprit_sampler.py."""
+"""IdleWatch (producers/tracers/idle_watch.py): which processes just went idle, in the first ticks of each idle
+spell. The CPU clock here is a function the test sets, so that spans and CPU use are exact; the real /proc path
+is tested with real processes in test_hang_culprit_sampler.py."""
 from __future__ import annotations
 
 import os
 
-from fleetscope.producers.tracers.idle_watch import IdleWatch, _cpu_ns
+from fleetscope.producers.process_sampler import process_cpu_ns
+from fleetscope.producers.tracers.idle_watch import IdleWatch
 
 SEC = 10**9
 
@@ -36,11 +37,11 @@ def test_shorter_spans_wait_and_a_process_gone_is_forgotten():
 
 
 def test_the_cpu_clock_is_this_process_s_own():
-    before = _cpu_ns(os.getpid())
+    before = process_cpu_ns(os.getpid())
     x = 0
-    while _cpu_ns(os.getpid()) == before:   # spins until the kernel's clock ticks past
+    while process_cpu_ns(os.getpid()) == before:   # spins until the kernel's clock ticks past
         x += 1
-    assert _cpu_ns(os.getpid()) > before
+    assert process_cpu_ns(os.getpid()) > before
 
 
 def test_by_default_every_tick_of_the_agent_judges_even_one_that_comes_a_little_early():

@@ -61,7 +61,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from fleetscope.producers.process_sampler import Vanished, parse_stat, read_file
+from fleetscope.producers.process_sampler import Vanished, process_cpu_ns
 
 EXPENSIVE, ALWAYS = "expensive", "always"
 
@@ -195,7 +195,7 @@ def process_cpu_seconds(pids) -> float:
     total_ns = 0.0
     for pid in pids:
         try:
-            total_ns += parse_stat(read_file(f"/proc/{pid}/stat"))[1]
+            total_ns += process_cpu_ns(pid)
         except (OSError, Vanished):
             continue
     return total_ns / 1e9

@@ -15,7 +15,7 @@ single dumps all landed in the step before the first silent one).
 """
 from __future__ import annotations
 
-from fleetscope.producers.process_sampler import Vanished, parse_stat, read_file
+from fleetscope.producers.process_sampler import Vanished, process_cpu_ns
 
 IDLE_CPU_FRAC = 0.05   # below 5% of one core over the span: idle (a training rank used 0.17 here)
 # judged over at least 0.75 s, so one blocked moment is not idle; under the agent's 1 s tick, so each tick judges
@@ -25,20 +25,21 @@ DUMPS_PER_SPELL = 3    # the first three ticks of an idle spell: each stream win
 
 
 class IdleWatch:
-    """Per process: its CPU time at the start of the current span; whether its last span was idle."""
+    """Per process: its CPU time at the start of the current span, and how many idle spans its current idle
+    spell has had (none: its last span was busy)."""
 
     def __init__(self, idle_cpu_frac: float = IDLE_CPU_FRAC, min_span_s: float = MIN_SPAN_S,
                  dumps_per_spell: int = DUMPS_PER_SPELL):
         self.idle_cpu_frac, self.min_span_ns = idle_cpu_frac, int(min_span_s * 1e9)
         self.dumps_per_spell = dumps_per_spell
-        self.spans: dict[int, tuple[int, int]] = {}   # pid -> (span start, CPU ns then)
+        self.spans: dict[int, tuple[int, float]] = {}   # pid -> (span start, CPU ns then)
         self.idle: dict[int, int] = {}                # pid -> idle spans so far in its current spell
 
     def newly_idle(self, pids, now_ns: int, cpu_ns=None) -> list[int]:
         """The pids whose span of at least min_span_s just ended idle, in the first dumps_per_spell spans of
         their idle spell (one ends at a span that was not idle). cpu_ns(pid) -> CPU time so far (default:
         /proc/<pid>/stat)."""
-        cpu_ns = cpu_ns or _cpu_ns
+        cpu_ns = cpu_ns or process_cpu_ns
         out = []
         for pid in pids:
             try:
@@ -67,7 +68,3 @@ class IdleWatch:
     def forget(self, pid: int) -> None:
         self.spans.pop(pid, None)
         self.idle.pop(pid, None)
-
-
-def _cpu_ns(pid: int) -> int:
-    return int(parse_stat(read_file(f"/proc/{pid}/stat"))[1])
