@@ -90,8 +90,9 @@ PEER_Z_FEATURES = (RANK_FEATURES | JOINED_FEATURES | RANK_JOIN_FEATURES) - NOT_M
 # Derived by the scorer from the job's own history (streams/model/job_rate.py), on every rank of a step.
 JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_time_ratio", "job_ofu_ratio"))
 # Derived by the scorer per host of a job step (streams/model/outside_load.py): the host's busy CPU less the
-# job's ranks' own, against the (job, host)'s history; on every rank of that host.
-OUTSIDE_FEATURES = frozenset(("outside_cpu_cores", "outside_cpu_z", "outside_cpu_rise_cores"))
+# job's ranks' own, against the (job, host)'s history; on every rank of that host. And per rank, the share of its
+# own CPUs' time that work outside the job took (streams/cpu_features.py).
+OUTSIDE_FEATURES = frozenset(("outside_cpu_cores", "outside_cpu_z", "outside_cpu_rise_cores", "outside_rank_cpu_frac"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.
 DRIFT_FEATURES = frozenset(("cuda_mem_growth_bytes_per_s", "proc_rss_growth_bytes_per_s"))
 ALL_FEATURES = (RANK_FEATURES | NODE_FEATURES | RANK_JOIN_FEATURES | LOUD_FEATURES | JOB_GPU_FEATURES | JOB_FEATURES

@@ -6,9 +6,8 @@ window's rate is the deltas' sum over the time those deltas cover.
 """
 from __future__ import annotations
 
+from fleetscope.streams.cpu_features import CPU_STATES, node_busy_per_cpu
 from fleetscope.streams.windows import MetricAgg, Window
-
-CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
 
 def _delta(w: Window, metric: str, device: str = "all") -> MetricAgg | None:
@@ -39,13 +38,7 @@ def _cpu(w: Window, out: dict) -> None:
     out["cpu_busy_cores"] = (total - idle) / (secs["idle"].interval_ns / 1e9)
     for state in ("user", "system", "iowait", "steal", "irq", "softirq"):
         out[f"cpu_{state}_frac"] = secs[state].delta_sum / total
-    per_cpu: dict[str, list[float]] = {}
-    for state in CPU_STATES:
-        for agg in w.devices("host", f"cpu.{state}"):
-            if agg.device.startswith("cpu") and agg.interval_ns > 0:
-                busy_idle = per_cpu.setdefault(agg.device, [0.0, 0.0])
-                busy_idle[1 if state in ("idle", "iowait") else 0] += agg.delta_sum
-    fracs = [b / (b + i) for b, i in per_cpu.values() if b + i > 0]
+    fracs = node_busy_per_cpu(w).values()
     if fracs:
         out["cpu_busy_max_core_frac"] = max(fracs)
 

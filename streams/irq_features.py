@@ -32,13 +32,8 @@ work and feed the GPU late (kb/irq_locality_miss.yaml).
 """
 from __future__ import annotations
 
+from fleetscope.streams.cpu_features import cpu_number
 from fleetscope.streams.windows import Window
-
-
-def _cpu_number(label: str) -> int | None:
-    """cpu3 or CPU3 -> 3."""
-    digits = label[3:]
-    return int(digits) if label[:3].lower() == "cpu" and digits.isdigit() else None
 
 
 def node_irqs_per_cpu(w: Window) -> dict[int, float]:
@@ -46,30 +41,23 @@ def node_irqs_per_cpu(w: Window) -> dict[int, float]:
     out: dict[int, float] = {}
     if "kernel" in w.sources:
         for a in w.devices("kernel", "kernel.irq_count"):
-            cpu = _cpu_number(a.device)
+            cpu = cpu_number(a.device)
             if cpu is not None and a.interval_ns > 0:
                 out[cpu] = out.get(cpu, 0.0) + a.delta_sum
     if "host" not in w.sources:
         return out
     for a in w.devices("host", "irq.cpu_total"):   # names every online CPU, a quiet one too
-        cpu = _cpu_number(a.device)
+        cpu = cpu_number(a.device)
         if cpu is not None and a.interval_ns > 0:
             out.setdefault(cpu, 0.0)
     if any(out.values()):   # the kernel tracer counted them: the host rows only added the quiet CPUs
         return out
     for a in w.devices("host", "irq.count"):
         irq, _, where = a.device.partition("@")
-        cpu = _cpu_number(where)
+        cpu = cpu_number(where)
         if irq.isdigit() and cpu is not None and a.interval_ns > 0:
             out[cpu] = out.get(cpu, 0.0) + a.delta_sum
     return out
-
-
-def rank_cpus(w: Window) -> set[int]:
-    """The CPUs the rank's processes were seen on in this window (empty without the /proc sampler)."""
-    if "proc" not in w.sources:
-        return set()
-    return {cpu for a in w.devices("proc", "proc.last_cpu") if (cpu := _cpu_number(a.device)) is not None}
 
 
 def irq_rank_cpu_share(irqs: dict[int, float], cpus: set[int]) -> float | None:
@@ -92,7 +80,7 @@ def node_irq_time_per_cpu(w: Window) -> dict[int, float]:
     span: dict[int, float] = {}
     for metric in ("cpu.irq", "cpu.softirq"):
         for a in w.devices("host", metric):
-            cpu = _cpu_number(a.device)
+            cpu = cpu_number(a.device)
             if cpu is not None and a.interval_ns > 0:
                 spent[cpu] = spent.get(cpu, 0.0) + a.delta_sum
                 span[cpu] = max(span.get(cpu, 0.0), a.interval_ns / 1e9)

@@ -24,8 +24,9 @@ from typing import Mapping, Sequence
 
 from fleetscope.streams.feature_catalogue import JOINED_FEATURES, RANK_JOIN_FEATURES
 from fleetscope.streams.gpu_features import DEVICE_GAUGES, FAULT_FEATURES, gpu_device_features
+from fleetscope.streams.cpu_features import node_busy_per_cpu, outside_rank_cpu_fracs, rank_cpus
 from fleetscope.streams.irq_features import (irq_max_cpu_share, irq_rank_cpu_share, irq_time_rank_cpu_frac,
-                                             node_irq_time_per_cpu, node_irqs_per_cpu, rank_cpus)
+                                             node_irq_time_per_cpu, node_irqs_per_cpu)
 from fleetscope.streams.windows import Window
 
 NODE_CACHE = 20_000  # (host, window) node vectors kept for joining
@@ -55,6 +56,7 @@ class RankContext:
         self.gpus: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
         self.irqs: dict[tuple[str, int], dict[int, float]] = {}
         self.irq_time: dict[tuple[str, int], dict[int, float]] = {}
+        self.busy: dict[tuple[str, int], dict[int, float]] = {}
         # each rank's GPUs as last named by its NVML process rows: a window without them (the process ended
         # in it, or a sample missed it) keeps the rank on its GPUs, or an Xid that ends the rank's process is
         # never the rank's (measured in xid_fallen_off_bus: the dying rank had no process row in the Xid's window)
@@ -67,11 +69,11 @@ class RankContext:
         self.gpus[key] = gpu_device_features(w)
         self.irqs[key] = node_irqs_per_cpu(w)
         self.irq_time[key] = node_irq_time_per_cpu(w)
+        self.busy[key] = node_busy_per_cpu(w)
         while len(self.node) > self.capacity:
             old, _ = self.node.popitem(last=False)
-            self.gpus.pop(old, None)
-            self.irqs.pop(old, None)
-            self.irq_time.pop(old, None)
+            for per_node in (self.gpus, self.irqs, self.irq_time, self.busy):
+                per_node.pop(old, None)
 
     def joined(self, w: Window) -> dict[str, float] | None:
         """The node's features with the rank's own GPU's in place of the node-wide ones; None when the
@@ -97,6 +99,21 @@ class RankContext:
             if values:
                 out[name] = max(values) if name in FAULT_FEATURES or name == "gpu_throttled" \
                     else sum(values) / len(values)
+        return out
+
+    def outside_on_rank_cpus(self, windows: Sequence[Window], vectors: Sequence[Mapping[str, float]]) \
+            -> list[float | None]:
+        """Per rank window of one job step (`vectors[i]` its vector), the share of its CPUs' time that went to
+        work outside the job (cpu_features.outside_rank_cpu_fracs, per host); None where it cannot be told."""
+        out: list[float | None] = [None] * len(windows)
+        by_host: dict[tuple[str, int], list[int]] = {}
+        for i, w in enumerate(windows):
+            by_host.setdefault((w.key[2], w.start_ns), []).append(i)
+        for key, rows in by_host.items():
+            fracs = outside_rank_cpu_fracs(self.busy.get(key, {}), [rank_cpus(windows[i]) for i in rows],
+                                           [vectors[i] for i in rows])
+            for i, frac in zip(rows, fracs):
+                out[i] = frac
         return out
 
     def _gpus_of(self, w: Window) -> list[str]:

@@ -47,7 +47,7 @@ from fleetscope.streams.model.outside_load import OutsideLoad
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
 from fleetscope.streams.model.roles import (CULPRIT, JOB, NODE, WAITING, assign_roles, differs_from_peers,
                                             explains_slowdown, last_arrivers)
-from fleetscope.streams.model.locality import local_rows
+from fleetscope.streams.model.locality import MIN_COMPARED, OUTSIDE_FEATURE, NeighbourPlacement, local_rows
 from fleetscope.streams.stack_signature import model_input
 from fleetscope.streams.rank_context import RankContext, job_gpu_means, joined_peer_z
 from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, schema_header
@@ -121,6 +121,7 @@ class ScoringStats:
     job_named_by_locality: int = 0  # of those, steps whose culprits their CPUs' interrupt work named (model/locality.py)
     job_not_explained: int = 0  # job flags whose culprits did not differ from their peers, or whose last arrivers were not waited for enough
     outside_flags: int = 0  # rank-windows flagged for load from outside the job on their host (model/outside_load.py)
+    outside_placed: int = 0  # of those job steps, ones whose culprits the outside load's CPUs named (model/locality.py)
     drifting: int = 0  # rank-windows whose memory held drifts up (model/drift.py): flagged, not learned
     unconfirmed: int = 0  # flagged rank-windows not (yet) flagged in K of their rank's last N (model/confirmation.py)
 
@@ -152,6 +153,7 @@ class Scorer:
                                   regime_windows=self.model_config.slowdown_regime_windows)
         self.outside = OutsideLoad(warmup=max(self.model_config.warmup_windows, 5),
                                    regime_windows=self.model_config.slowdown_regime_windows)
+        self.placement = NeighbourPlacement()
         self.stats = ScoringStats()
 
     # ---- models ---------------------------------------------------------------
@@ -276,6 +278,9 @@ class Scorer:
                 unjoined.add(i)
             evidence.append({**(node or {}), **v})
         joined_z = joined_peer_z(evidence)
+        for v, frac in zip(evidence, self.context.outside_on_rank_cpus([w for w, _ in members], evidence)):
+            if frac is not None:   # the share of the rank's CPUs outside work took (streams/cpu_features.py)
+                v[OUTSIDE_FEATURE] = frac
         job_gpu = job_gpu_means(evidence)   # the job's OFU per window: judged below against its own history
         for v in evidence:
             v.update(job_gpu)
@@ -327,7 +332,7 @@ class Scorer:
         for i, (w, _) in enumerate(members):
             if w.key[2] in outside:
                 evidence[i].update(outside[w.key[2]].features)
-        self._flag_outside(outside, members, results, roles, loud_rows, explained, evidence, ratio)
+        self._flag_outside((tenant, job), outside, members, results, roles, loud_rows, explained, evidence, ratio)
         self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z, evidence)
         self._unflag_job_alike(results, roles, loud_rows)
         self._confirm(members, start, results, roles, loud_rows)
@@ -407,20 +412,31 @@ class Scorer:
                 joined_z[i] = {**joined_z[i], **node.history_z}   # the node against its own past
                 self.stats.node_attributed += 1
 
-    def _flag_outside(self, outside, members, results, roles, loud_rows, explained, evidence, ratio) -> None:
+    def _flag_outside(self, job, outside, members, results, roles, loud_rows, explained, evidence, ratio) -> None:
         """A host whose load from outside the job rose while the job slowed (model/outside_load.py) flags its
-        ranks, role node, the outside load their explanation. Unless a rank is already named: when a peer
-        waits for a culprit, or a minority of culprits differs from its peers, the more specific story stands
-        (its own diagnosis says why). When the order of arrival names the ranks the others wait for (a
-        neighbour pinned beside one rank), or else interrupt work on their CPUs does, those are the culprits and
-        the rest wait, as for the job's rate (name_culprits)."""
+        ranks, role node, the outside load their explanation. Unless a minority of culprits differs from its
+        peers: that more specific story stands (its own diagnosis says why). Where the load sits decides next:
+        beside a minority of the host's ranks (its CPU work on theirs: locality.NeighbourPlacement), those are
+        the culprits and the rest wait; on all of them alike (every flagged host's ranks compared), role node,
+        whoever arrived last. Only where the CPUs cannot tell does a peer waiting for a culprit stand, or the
+        order of arrival name the ranks the others wait for, or interrupt work on their CPUs, as for the job's
+        rate (name_culprits)."""
+        for host, verdict in outside.items():
+            if not verdict.flagged:
+                self.placement.forget((*job, host))
         hosts = {h for h, v in outside.items() if v.flagged}
-        if not hosts or any(r == WAITING for r in roles):
+        if not hosts:
             return
         named = name_culprits(results, roles, loud_rows, evidence, ratio)
         if named.by_minority:
             return
-        late = named.rows
+        beside, compared = self._beside_neighbour(job, hosts, members, results, loud_rows, evidence)
+        if not beside and not compared and any(r == WAITING for r in roles):
+            return   # nothing says where the load sits: the peers waiting for a culprit stand
+        # the CPUs say the load is on all of the host's ranks alike: whoever arrived last was hit by chance
+        # (dev scenario outside_load_node, free busy loops: the order of arrival named one rank the culprit,
+        # and its peers waiting, in 10 to 14 of the 30 loaded windows)
+        late = beside or (None if compared else named.rows)
         for i, (w, _) in enumerate(members):
             if i in loud_rows or not results[i].warm or (late is None and w.key[2] not in hosts):
                 continue
@@ -431,7 +447,20 @@ class Scorer:
             roles[i] = NODE if late is None else CULPRIT if i in late else WAITING
             if verdict is not None and verdict.flagged:
                 explained[i] = {**explained.get(i, {}), "outside_cpu_rise_cores": verdict.features["outside_cpu_rise_cores"]}
+                if roles[i] == CULPRIT and OUTSIDE_FEATURE in evidence[i]:
+                    explained[i][OUTSIDE_FEATURE] = evidence[i][OUTSIDE_FEATURE]
             self.stats.outside_flags += 1
+
+    def _beside_neighbour(self, job, hosts, members, results, loud_rows, evidence) -> tuple[list[int], bool]:
+        """The rows of the flagged hosts whose CPUs the outside load sits on (locality.NeighbourPlacement), and
+        whether every flagged host had enough ranks with a known share (OUTSIDE_FEATURE) to tell."""
+        beside, compared = [], True
+        for host in sorted(hosts):
+            rows = [i for i, (w, _) in enumerate(members) if w.key[2] == host and i not in loud_rows and results[i].warm]
+            beside += self.placement.place((*job, host), rows, [w.key[3] for w, _ in members], evidence)
+            compared = compared and sum(OUTSIDE_FEATURE in evidence[i] for i in rows) >= MIN_COMPARED
+        self.stats.outside_placed += bool(beside)
+        return sorted(beside), compared
 
     def _flag_job(self, results, roles, loud_rows, explained, detector: str, feature: str, features: dict,
                   evidence) -> bool:
