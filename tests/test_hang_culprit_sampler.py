@@ -48,31 +48,44 @@ def blocked(ready):
 MODES = {0: "spin", 1: "stuck", 2: "spin", 3: "blocked"}   # rank -> what it does
 
 
-@contextmanager
-def sampled_ranks(tmp_path: Path, modes: dict[int, str], job: str, window_s: int):
-    """The program's ranks started in `modes`, each added to a PythonSampler once in its function (start-up
-    is not); yields (sampler, {rank: process}); kills them and closes the sampler after."""
-    from fleetscope.producers.tracers.python_sampler import PythonSampler
+def start_sampled(tmp_path: Path, runs: dict, job: str, sampler) -> dict:
+    """Start the program once per `runs` entry (name -> (mode, extra environment)), wait until each is in its
+    function (start-up is not), add it to `sampler`; returns {name: process}, every one started kept there."""
     program = tmp_path / "ranks.py"
     program.write_text(PROGRAM)
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = {}
+    for name, (mode, env) in runs.items():
+        procs[name] = subprocess.Popen([sys.executable, str(program), mode, str(tmp_path / f"ready-{name}")],
+                                       env={**base, **env, "FLEETSCOPE_JOB": job})
+    deadline = time.monotonic() + 60
+    for name, p in procs.items():
+        while not (tmp_path / f"ready-{name}").exists():
+            assert p.poll() is None and time.monotonic() < deadline, f"{name} did not start"
+            time.sleep(0.05)
+        assert sampler.add_pid(p.pid)
+    return procs
+
+
+@contextmanager
+def sampled(tmp_path: Path, runs: dict, job: str, window_s: int):
+    """start_sampled under a PythonSampler; yields (sampler, {name: process}); kills them and closes it after."""
+    from fleetscope.producers.tracers.python_sampler import PythonSampler
     sampler = PythonSampler("node-a", resolver=IdentityResolver(host="node-a"), rate_hz=49, window_s=window_s)
+    procs: dict = {}
     try:
-        for rank, mode in modes.items():
-            procs[rank] = subprocess.Popen([sys.executable, str(program), mode, str(tmp_path / f"ready{rank}")],
-                                           env={**os.environ, "RANK": str(rank), "FLEETSCOPE_JOB": job})
-        deadline = time.monotonic() + 60
-        for rank, p in procs.items():
-            while not (tmp_path / f"ready{rank}").exists():
-                assert p.poll() is None and time.monotonic() < deadline, f"rank {rank} did not start"
-                time.sleep(0.05)
-            assert sampler.add_pid(p.pid)
+        procs = start_sampled(tmp_path, runs, job, sampler)
         yield sampler, procs
     finally:
         for p in procs.values():
             p.kill()
             p.wait(timeout=10)
         sampler.close()
+
+
+def sampled_ranks(tmp_path: Path, modes: dict[int, str], job: str, window_s: int):
+    """The program's ranks (RANK set, no world size) in `modes`: sampled() keyed by rank."""
+    return sampled(tmp_path, {rank: (mode, {"RANK": str(rank)}) for rank, mode in modes.items()}, job, window_s)
 
 
 def test_ranks_in_the_same_function_share_an_id_and_the_odd_one_out_differs(tmp_path):
@@ -133,3 +146,23 @@ def test_a_rank_that_goes_idle_is_dumped_at_once_not_at_its_window_end(tmp_path)
     # counted in the agent's stats (its health rows and /metrics)
     manager = TracerManager(Config(trace_auto=False), tracers={"python_sampler": sampler}, hit_cost_ns=6000.0)
     assert manager.stats()["trace_python_idle_dumps"] == dumped
+
+
+def test_only_a_rank_of_a_job_of_several_is_dumped_as_it_goes_idle(tmp_path):
+    """An idle process that is no rank (an inference server between requests) and a job's only rank have no peer
+    to hang with: going idle, they are not dumped (three ~10 ms dumps a spell of the agent's CPU each, for
+    nothing). A rank of a job of two is."""
+    runs = {"server": ("stuck", {}), "alone": ("stuck", {"RANK": "0", "WORLD_SIZE": "1"}),
+            "peer": ("stuck", {"RANK": "1", "WORLD_SIZE": "2"})}
+    with sampled(tmp_path, runs, "idlegate", window_s=60) as (sampler, procs):
+        dumped: dict[int, int] = {}
+        deadline = time.monotonic() + 30
+        while sampler.idle_watch.idle.get(procs["peer"].pid, 0) < 3:
+            assert time.monotonic() < deadline, "the idle rank was never judged idle three times"
+            batch = sampler.sample()
+            for row in batch_rows(batch) if batch is not None else []:
+                dumped[int(row["pid"])] = dumped.get(int(row["pid"]), 0) + 1
+            time.sleep(0.2)
+        assert procs["server"].pid not in sampler.idle_watch.idle and procs["alone"].pid not in sampler.idle_watch.idle
+        assert set(dumped) <= {procs["peer"].pid}, dumped
+        assert sampler.idle_dumps == dumped.get(procs["peer"].pid, 0)

@@ -26,7 +26,7 @@ Rows (source "python_sampler"), per pid, when a window ends:
 - python.stack_top, device "module:function": the innermost frame of the
   main thread's stack when the window ended, idle or not (one `py-spy dump
   --nonblocking --json` per pid and window, ~10 ms), and also, alone, when
-  the process goes idle between window ends (idle_watch.py): where the rank is
+  a rank of a job of several goes idle between window ends (idle_watch.py): where the rank is
   blocked, for telling a hung job's stuck rank from the ranks waiting in the
   collective (streams/stack_signature.py). Idle threads are exactly what the
   shares above leave out, and a rank waiting in a collective is idle.
@@ -238,7 +238,7 @@ class PythonSampler:
         rows: list[tuple] = []
         ended = [(pid, w) for pid, w in list(self.windows.items()) if w is not None and w.proc.poll() is not None]
         # a rank that just went idle mid-window (hung, or blocked on one that is): where it is, now (idle_watch.py)
-        sampling = [pid for pid, w in self.windows.items() if w is not None]
+        sampling = [pid for pid, w in self.windows.items() if w is not None and self._has_peers(pid)]
         idle = set(self.idle_watch.newly_idle(sampling, now_ns)) - {pid for pid, _ in ended}
         tops = self._stack_tops([pid for pid, _ in ended if os.path.exists(f"/proc/{pid}")] + sorted(idle))
         for pid in sorted(idle):
@@ -254,6 +254,20 @@ class PythonSampler:
         if not rows:
             return None
         return metric_batch(self.SOURCE, self.host, rows, now_ns, 0, self._identity)
+
+    def _has_peers(self, pid: int) -> bool:
+        """Whether the process is a rank of a job of several, as far as its identity says: only such a rank can
+        hang in a collective, and only its stack names a hang's culprit (idle_watch.py). A process that is no
+        rank (an inference server between requests, a daemon) or a job's only rank goes idle for nothing to
+        name, and was dumped up to three times in each idle spell. Without a resolver, every process is."""
+        if self.resolver is None:
+            return True
+        try:
+            ident = self.resolver.resolve(pid)
+        except Exception:   # a process that exits mid-resolution: the idle check forgets it anyway
+            return False
+        # (a gone process resolves to None: no rank) resolvers other than IdentityResolver may not know the size
+        return getattr(ident, "rank", -1) >= 0 and getattr(ident, "world_size", -1) != 1
 
     def _window_rows(self, pid: int, window: Window, now_ns: int, top: str | None) -> list[tuple]:
         err, text = _read_and_remove(window.err), _read_and_remove(window.out)
