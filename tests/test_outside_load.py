@@ -176,6 +176,18 @@ def test_a_neighbour_on_every_cpu_alike_is_the_nodes_though_one_rank_arrives_las
     assert {role for key, (_, role) in flagged.items() if key in loaded} == {"node"}, flagged
 
 
+def test_a_neighbour_on_every_cpu_alike_leaves_the_rank_whose_cpu_takes_interrupt_work_the_culprit(store, tmp_path):
+    """The load on both CPUs alike ("irq": outside shares 0.85 and 0.70, no rank beside it) while a tenth of rank
+    0's CPU goes to softirq work: the node's own model flags the host, and its flag goes to the rank whose CPUs
+    carry the interrupt work (Scorer._attribute_node, model/locality.py); the others wait."""
+    onset, end, windows = 30, 45, 55
+    _, flagged, _ = run_processor(store, tmp_path, OutsideLoadJob(recent_start_ns(), onset, end, placement="irq"),
+                                  windows)
+    loaded = set(range(onset + 2, end))
+    assert {key for key, (_, role) in flagged.items() if role == "culprit"} == {(0, w) for w in loaded}, flagged
+    assert all(role == "waiting" for (r, _), (_, role) in flagged.items() if r != 0), flagged
+
+
 def test_a_neighbour_pinned_beside_one_rank_makes_it_the_culprit_and_its_peers_wait(store, tmp_path):
     """As above, with the neighbour pinned to cpu1 beside rank 0 while ranks 1 and 2 run on cpu0 (dev scenario
     noisy_neighbour_pinned): the share of each rank's CPUs that outside work took (0.85 against 0.45) names rank

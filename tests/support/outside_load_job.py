@@ -15,7 +15,8 @@ marks, as producers/tracers/gloo_marks.py sends them): the order of arrival alon
 per-CPU counters. "spread": the neighbour's load lands on both CPUs alike and the ranks move between them, as
 three free busy loops do (dev scenario outside_load_node). "pinned": the neighbour sits on cpu1 beside rank 0,
 pinned there, while ranks 1 and 2 run on cpu0 (dev scenario noisy_neighbour_pinned, measured: cpu1 fully busy,
-cpu0 0.65-0.9 busy, against about 0.5 each before; here the host is busy 1.75 cores then, not 2).
+cpu0 0.65-0.9 busy, against about 0.5 each before; here the host is busy 1.75 cores then, not 2). "irq": the
+ranks placed as in "pinned", the load on both CPUs alike, and a tenth of cpu1's time in softirq work, rank 0's.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ CORES = 2
 class OutsideLoadJob:
     def __init__(self, t0_ns: int, onset: int, end: int | None = None, seed: int = 7, tenant: str = "acme",
                  job: str = "train", placement: str | None = None, late_rank: int | None = None):
-        assert placement in (None, "spread", "pinned"), placement
+        assert placement in (None, "spread", "pinned", "irq"), placement
         self.late_rank = late_rank
         self.t0, self.onset, self.end, self.tenant, self.job = t0_ns, onset, end, tenant, job
         self.placement = placement
@@ -68,11 +69,12 @@ class OutsideLoadJob:
                           for j in range(n)]
             out.append(self._rank_batch("torch", r, ts, torch))
         busy = (self.loaded_cores if loaded else 1.2 * noise[-1]) * TICK / SEC
-        out.append(self._host_batch(ts, busy, CORES * TICK / SEC - busy, self._per_cpu_busy(busy, loaded)))
+        softirq = [0.0, 0.1 * TICK / SEC] if self.placement == "irq" and loaded else [0.0] * CORES
+        out.append(self._host_batch(ts, busy, CORES * TICK / SEC - busy, self._per_cpu_busy(busy, loaded), softirq))
         return out
 
     def _cpu_of(self, rank: int, tick: int, loaded: bool) -> int:
-        if self.placement == "pinned" and loaded:
+        if self.placement in ("pinned", "irq") and loaded:
             return 1 if rank == 0 else 0
         return (rank + tick) % CORES   # free to move: each rank on either CPU in turn
 
@@ -85,14 +87,16 @@ class OutsideLoadJob:
     def _rank_batch(self, source: str, rank: int, ts: int, rows) -> Batch:
         return rank_batch(source, HOST, self.tenant, self.job, rank, -1, ts, rows)
 
-    def _host_batch(self, ts: int, busy_s: float, idle_s: float, per_cpu: list[float]) -> Batch:
+    def _host_batch(self, ts: int, busy_s: float, idle_s: float, per_cpu: list[float], softirq: list[float]) -> Batch:
         states = ("cpu.user", "cpu.nice", "cpu.system", "cpu.idle", "cpu.iowait", "cpu.irq", "cpu.softirq", "cpu.steal")
         rows = [(name, "all", value, TICK) for name, value in zip(states, (busy_s, 0.0, 0.0, max(idle_s, 0.0)))]
         rows += [(name, "all", 0.0, TICK) for name in states[4:]]
         if self.placement is not None:
             for cpu, b in enumerate(per_cpu):
-                rows += [("cpu.user", f"cpu{cpu}", b, TICK), ("cpu.idle", f"cpu{cpu}", max(TICK / SEC - b, 0.0), TICK)]
-                rows += [(name, f"cpu{cpu}", 0.0, TICK) for name in states if name not in ("cpu.user", "cpu.idle")]
+                rows += [("cpu.user", f"cpu{cpu}", b - softirq[cpu], TICK), ("cpu.softirq", f"cpu{cpu}", softirq[cpu], TICK),
+                         ("cpu.idle", f"cpu{cpu}", max(TICK / SEC - b, 0.0), TICK)]
+                rows += [(name, f"cpu{cpu}", 0.0, TICK) for name in states
+                         if name not in ("cpu.user", "cpu.idle", "cpu.softirq")]
         rows += [("mem.total", "all", 1000.0, 0), ("mem.available", "all", 600.0, 0)]
         n = len(rows)
         names, devices, values, intervals = zip(*rows)
