@@ -152,8 +152,13 @@ def test_result_series_follow_the_output_topics_and_expire_with_their_job(pipeli
             return poll
         wait_for(republished_until(lambda f: any(s.labels.get("job") == "train-1"
                                                  for s in f.get("fleetscope_rank_score", []))), 90, "the result series")
-        fams = wait_for(republished_until(lambda f: "fleetscope_diagnoses" in f and value(f, "fleetscope_diagnoses") > 0),
-                        90, "the diagnosis counter")
+        # the anomalies topic's partitions too: once the scores and diagnoses were seen, a loaded CI run still read
+        # no culprit anomaly (its partition assigned last)
+        fams = wait_for(republished_until(lambda f: "fleetscope_diagnoses" in f and value(f, "fleetscope_diagnoses") > 0
+                                          and "fleetscope_anomalies" in f and value(f, "fleetscope_anomalies",
+                                                                                   tenant="acme", job="train-1",
+                                                                                   role="culprit") >= 1),
+                        90, "the diagnosis and anomaly counters")
         scores = {s.labels["rank"]: s for s in fams["fleetscope_rank_score"]}
         assert scores["2"].value == 31.0 and scores["0"].value == 5.0
         assert set(scores["2"].labels) == {"tenant", "job", "host", "rank", "role"}
