@@ -17,21 +17,15 @@ from fleetscope.producers.host.cpu_stat import CpuStatCollector
 from fleetscope.producers.host.interrupts import InterruptsCollector
 from fleetscope.producers.host.sampler import HostSampler
 from fleetscope.producers.identity import IdentityResolver, IdentityRules
-from fleetscope.producers.process_sampler import ProcessSampler, parse_stat, read_file
+from fleetscope.producers.process_sampler import ProcessSampler, read_file
 from fleetscope.producers.tracers.discovery import TargetSpec
 from fleetscope.schema import NODE_TENANT
 from fleetscope.streams.features import window_features
 from fleetscope.streams.rank_context import RankContext
 from fleetscope.streams.windows import WindowAssembler
-from support.processes import spawn, wait_until  # noqa: F401 (spawn is a fixture)
+from support.processes import NAP, last_cpu, pinned_ranks, spawn, wait_until  # noqa: F401 (spawn is a fixture)
 
 SEC = 10**9
-# wakes every 20 ms, so a new affinity moves it at once (a sleeping task keeps its old CPU until it runs)
-NAP = "import time\nend = time.time() + 60\nwhile time.time() < end: time.sleep(0.02)"
-
-
-def last_cpu(pid: int) -> int:
-    return parse_stat(read_file(f"/proc/{pid}/stat"))[6]
 
 
 def numbered_irqs_per_cpu(batch) -> dict[int, float]:
@@ -110,19 +104,6 @@ def test_each_rank_gets_the_share_of_the_nodes_interrupts_that_landed_on_its_own
         assert sum(shares) == pytest.approx(1.0)
 
 
-def _pinned_ranks(spawn, cpus: list[int]) -> dict[int, tuple[int, int]]:  # noqa: F811
-    job = f"irqtest-{uuid.uuid4().hex[:8]}"
-    ranks = {}
-    for rank, cpu in enumerate(cpus):
-        env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
-               "RANK": str(rank), "WORLD_SIZE": str(len(cpus)), "FLEETSCOPE_JOB": job}
-        child = spawn(env, [sys.executable, "-c", NAP])
-        os.sched_setaffinity(child.pid, {cpu})
-        wait_until(lambda: last_cpu(child.pid) == cpu)
-        ranks[rank] = (child.pid, cpu)
-    return ranks
-
-
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="the flood pins processes to a CPU as the scenarios' injector does")
 def test_a_rank_whose_cpu_does_network_receive_work_gets_that_cpus_interrupt_time(spawn):  # noqa: F811
@@ -132,7 +113,7 @@ def test_a_rank_whose_cpu_does_network_receive_work_gets_that_cpus_interrupt_tim
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs two CPUs to pin two ranks apart")
-    ranks = _pinned_ranks(spawn, cpus[:2])
+    ranks = pinned_ranks(spawn, cpus[:2], "irqtest")
     procs = ProcessSampler("node-a", IdentityResolver(IdentityRules(), host="node-a"),
                            targets=TargetSpec(pids=tuple(pid for pid, _ in ranks.values())), poll_s=0.0)
     host = HostSampler("node-a", [CpuStatCollector()], use_cadence=False)

@@ -8,9 +8,7 @@ dev scenarios measured."""
 from __future__ import annotations
 
 import os
-import sys
 import time
-import uuid
 
 import pytest
 
@@ -18,7 +16,7 @@ from fleetscope.eval.faults import CompetingLoad
 from fleetscope.producers.host.cpu_stat import CpuStatCollector
 from fleetscope.producers.host.sampler import HostSampler
 from fleetscope.producers.identity import IdentityResolver, IdentityRules
-from fleetscope.producers.process_sampler import ProcessSampler, parse_stat, read_file
+from fleetscope.producers.process_sampler import ProcessSampler
 from fleetscope.producers.tracers.discovery import TargetSpec
 from fleetscope.schema import NODE_TENANT
 from fleetscope.streams.cpu_features import node_busy_per_cpu, outside_rank_cpu_fracs
@@ -26,14 +24,9 @@ from fleetscope.streams.features import window_features
 from fleetscope.streams.model.locality import OUTSIDE_FEATURE, NeighbourPlacement
 from fleetscope.streams.rank_context import RankContext
 from fleetscope.streams.windows import WindowAssembler
-from support.processes import spawn, wait_until  # noqa: F401 (spawn is a fixture)
+from support.processes import pinned_ranks, spawn  # noqa: F401 (spawn is a fixture)
 
 SEC = 10**9
-NAP = "import time\nend = time.time() + 60\nwhile time.time() < end: time.sleep(0.02)"
-
-
-def last_cpu(pid: int) -> int:
-    return parse_stat(read_file(f"/proc/{pid}/stat"))[6]
 
 
 def per_cpu_busy_from_rows(batch) -> dict[int, float]:
@@ -54,15 +47,7 @@ def test_the_rank_beside_a_pinned_neighbour_gets_its_cpus_outside_share(spawn): 
     if len(cpus) < 2:
         pytest.skip("needs two CPUs to pin ranks apart")
     alone, shared = cpus[1], cpus[0]
-    job = f"placement-{uuid.uuid4().hex[:8]}"
-    ranks = {}
-    for rank, cpu in enumerate((alone, shared, shared)):
-        env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
-               "RANK": str(rank), "WORLD_SIZE": "3", "FLEETSCOPE_JOB": job}
-        child = spawn(env, [sys.executable, "-c", NAP])
-        os.sched_setaffinity(child.pid, {cpu})
-        wait_until(lambda: last_cpu(child.pid) == cpu)
-        ranks[rank] = child.pid
+    ranks = {rank: pid for rank, (pid, _) in pinned_ranks(spawn, [alone, shared, shared], "placement").items()}
     procs = ProcessSampler("node-a", IdentityResolver(IdentityRules(), host="node-a"),
                            targets=TargetSpec(pids=tuple(ranks.values())), poll_s=0.0)
     host = HostSampler("node-a", [CpuStatCollector()], use_cadence=False)

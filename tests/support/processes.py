@@ -1,7 +1,9 @@
 """Real processes for identity and sampler tests: started with a given environment, reaped at teardown."""
+import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -43,3 +45,27 @@ def spawn():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+# wakes every 20 ms, so a new affinity moves it at once (a sleeping task keeps its old CPU until it runs)
+NAP = "import time\nend = time.time() + 60\nwhile time.time() < end: time.sleep(0.02)"
+
+
+def last_cpu(pid: int) -> int:
+    from fleetscope.producers.process_sampler import parse_stat, read_file
+    return parse_stat(read_file(f"/proc/{pid}/stat"))[6]
+
+
+def pinned_ranks(spawn, cpus: list[int], job_prefix: str = "pinned") -> dict[int, tuple[int, int]]:
+    """One napping "rank" per entry of `cpus` (RANK, WORLD_SIZE = len(cpus), one job), each pinned to its CPU
+    and seen there: {rank: (pid, cpu)}."""
+    job = f"{job_prefix}-{uuid.uuid4().hex[:8]}"
+    ranks = {}
+    for rank, cpu in enumerate(cpus):
+        env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+               "RANK": str(rank), "WORLD_SIZE": str(len(cpus)), "FLEETSCOPE_JOB": job}
+        child = spawn(env, [sys.executable, "-c", NAP])
+        os.sched_setaffinity(child.pid, {cpu})
+        wait_until(lambda: last_cpu(child.pid) == cpu)
+        ranks[rank] = (child.pid, cpu)
+    return ranks
