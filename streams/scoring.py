@@ -45,8 +45,8 @@ from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
 from fleetscope.streams.model.outside_load import OutsideLoad
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
-from fleetscope.streams.model.roles import (CULPRIT, JOB, NODE, WAITING, assign_roles, differs_from_peers,
-                                            explains_slowdown, last_arrivers)
+from fleetscope.streams.model.roles import (CULPRIT, JOB, MIN_SLOWDOWN, NODE, WAITING, assign_roles,
+                                            differs_from_peers, explains_slowdown, finite, last_arrivers)
 from fleetscope.streams.model.locality import MIN_COMPARED, OUTSIDE_FEATURE, NeighbourPlacement, local_rows
 from fleetscope.streams.stack_signature import model_input
 from fleetscope.streams.rank_context import RankContext, job_gpu_means, joined_peer_z
@@ -334,7 +334,7 @@ class Scorer:
                 evidence[i].update(outside[w.key[2]].features)
         self._flag_outside((tenant, job), outside, members, results, roles, loud_rows, explained, evidence, ratio)
         self._attribute_node(start, members, results, roles, loud_rows, explained, joined_z, evidence)
-        self._unflag_job_alike(results, roles, loud_rows)
+        self._unflag_job_alike(results, roles, loud_rows, ratio)
         self._confirm(members, start, results, roles, loud_rows)
         culprits = sorted({int(members[i][0].key[3]) for i, r in enumerate(roles) if r == CULPRIT}
                           | {g.key[3] for g, _, _ in ghosts})
@@ -361,14 +361,25 @@ class Scorer:
             roles[i] = ""
             self.stats.unconfirmed += 1
 
-    def _unflag_job_alike(self, results, roles, loud_rows) -> None:
+    def _unflag_job_alike(self, results, roles, loud_rows, ratio) -> None:
         """Every rank flagged alike by its own model, with no rank waiting for another and neither the job's
         rate nor the node explaining it, is a change the whole job shares: the job's own history judges
         those (job_rate.py), not each rank's model. On a busy host the whole job hiccups together (the dev
         scenarios' healthy run: 10 such steps flagged all three ranks at once, a third of its false positives).
+
+        So is such a step whose ranks the order of arrival parts into a culprit and its waiting peers, when
+        no peer comparison flagged any of them and the job's iterations are no slower than its history
+        (job_iteration_time_ratio below roles.MIN_SLOWDOWN): nobody was held up, so the rank that happened to
+        arrive last caused nothing. Dev two_faults_overlap: after both faults ended, the models that had
+        learned the faulty regime flagged all three ranks alike in 18 steps at a ratio of 0.90-1.08, and
+        the healthy ring's own skew named a culprit in each, 17 false positives.
         """
-        if len(results) < 2 or loud_rows or not all(s.is_anomaly and roles[i] == CULPRIT
-                                                     for i, s in enumerate(results)):
+        if len(results) < 2 or loud_rows or not all(s.is_anomaly for s in results):
+            return
+        if not all(role == CULPRIT for role in roles) and not (
+                all(role in (CULPRIT, WAITING) for role in roles)
+                and not any(differs_from_peers(s.detectors) for s in results)
+                and finite(ratio) and ratio < MIN_SLOWDOWN):
             return
         for i, s in enumerate(results):
             s.is_anomaly = False
