@@ -172,7 +172,8 @@ class Scorer:
         if tenant == NODE_TENANT:
             return {}
         return {"job_rate": self.job_rates.part((tenant, job)), "drift": self.drift.part((tenant, job)),
-                "confirmation": self.confirmation.part((tenant, job)), "outside_load": self.outside.part((tenant, job))}
+                "confirmation": self.confirmation.part((tenant, job)), "outside_load": self.outside.part((tenant, job)),
+                "placement": self.placement.part((tenant, job))}
 
     def config_for(self, tenant: str) -> ModelConfig:
         """A node's model has one row per window: a longer warm-up (model/node.py)."""

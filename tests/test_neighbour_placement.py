@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from fleetscope.eval.faults import CompetingLoad
@@ -21,7 +23,9 @@ from fleetscope.producers.tracers.discovery import TargetSpec
 from fleetscope.schema import NODE_TENANT
 from fleetscope.streams.cpu_features import node_busy_per_cpu, outside_rank_cpu_fracs
 from fleetscope.streams.features import window_features
+from fleetscope.streams.model import JobModel, ModelConfig
 from fleetscope.streams.model.locality import OUTSIDE_FEATURE, NeighbourPlacement
+from fleetscope.streams.model.state_archive import CheckpointError
 from fleetscope.streams.rank_context import RankContext
 from fleetscope.streams.windows import WindowAssembler
 from support.processes import pinned_ranks, spawn  # noqa: F401 (spawn is a fixture)
@@ -138,3 +142,29 @@ def test_placements_kept_are_bounded():
     for host in "abc":
         placement.place(host, [0, 1, 2], [0, 1, 2], evidence(0.9, 0.3, 0.3))
     assert list(placement.ranks) == ["b", "c"]
+
+
+def test_named_ranks_travel_in_the_jobs_checkpoint_and_a_forged_part_is_refused():
+    job, other = ("acme", "train"), ("acme", "eval")
+    placement = NeighbourPlacement()
+    rows, ranks = [0, 1, 2], [5, 6, 7]
+    assert placement.place((*job, "node-a"), rows, ranks, evidence(0.86, 0.37, 0.37)) == [0]
+    assert placement.place((*job, "node-b"), rows, [8, 9, 10], evidence(0.3, 0.3, 0.9)) == [2]
+    placement.place((*other, "node-a"), rows, ranks, evidence(0.3, 0.9, 0.3))
+    blob = JobModel(ModelConfig(warmup_windows=5)).to_bytes({"placement": placement.part(job)})
+    restored = NeighbourPlacement()
+    JobModel.from_bytes(blob, {"placement": restored.part(job)})
+    assert restored.ranks == {(*job, "node-a"): frozenset({5}), (*job, "node-b"): frozenset({10})}
+    # a window that does not split: the restored worker still names the rank, one that relearnt does not
+    halfway = evidence(0.77, 0.56, 0.67)
+    assert restored.place((*job, "node-a"), rows, ranks, halfway) == [0]
+    assert NeighbourPlacement().place((*job, "node-a"), rows, ranks, halfway) == []
+    # a part written by someone else (the state topic is writable by others): a one-line error, nothing kept
+    forged = SimpleNamespace(state=lambda: ({"hosts": "node-a"}, {}))
+    with pytest.raises(CheckpointError, match="hosts"):
+        JobModel.from_bytes(JobModel(ModelConfig()).to_bytes({"placement": forged}),
+                            {"placement": NeighbourPlacement().part(job)})
+    wrong = SimpleNamespace(state=lambda: ({"hosts": ["node-a"]}, {"ranks_0": np.ones(2)}))
+    with pytest.raises(CheckpointError, match="ranks_0"):
+        JobModel.from_bytes(JobModel(ModelConfig()).to_bytes({"placement": wrong}),
+                            {"placement": NeighbourPlacement().part(job)})

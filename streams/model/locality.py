@@ -24,6 +24,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Mapping, Sequence
 
+import numpy as np
+
+from fleetscope.streams.model.checkpoint import JobPart
 from fleetscope.streams.model.roles import finite
 
 LOCAL_FEATURE = "irq_time_rank_cpu_frac"
@@ -69,8 +72,9 @@ class NeighbourPlacement:
     A window whose CPU shares split (local_rows on `outside_rank_cpu_frac`) names the ranks and is remembered per
     (job, host); a window that does not split (a peer seen on the neighbour's CPU too sits halfway: 10 of the 35
     loaded windows of noisy_neighbour_pinned) keeps the named ranks while they still carry the most outside work
-    of the host's ranks, ties included. ``forget`` when the host's outside load ends. Not checkpointed: a
-    restored worker names them again in the next window that splits."""
+    of the host's ranks, ties included. ``forget`` when the host's outside load ends. Saved with the job's
+    model (a checkpoint part, model/checkpoint.py): a restored worker keeps naming them through the windows
+    that do not split."""
 
     def __init__(self, capacity: int = PLACEMENTS_KEPT):
         self.capacity = capacity
@@ -99,3 +103,26 @@ class NeighbourPlacement:
 
     def forget(self, key: Hashable) -> None:
         self.ranks.pop(key, None)
+
+    # ---- checkpoint part: one job's named ranks, per host; keys are (tenant, job, host) --------------
+    def part(self, job: tuple[str, str]) -> JobPart:
+        return JobPart(self, job)
+
+    def state(self, job: tuple[str, str]) -> tuple[dict, dict[str, np.ndarray]]:
+        keys = [k for k in self.ranks if k[:2] == job]
+        return {"hosts": [k[2] for k in keys]}, {f"ranks_{i}": np.array(sorted(self.ranks[k]), dtype=np.int64)
+                                                 for i, k in enumerate(keys)}
+
+    def load(self, job: tuple[str, str], meta: dict, arrays) -> None:
+        hosts = meta.get("hosts") if isinstance(meta, dict) else None
+        if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts) or len(hosts) > self.capacity:
+            arrays.fail("hosts: not a list of host names")
+        named = [frozenset(int(r) for r in arrays.take(f"ranks_{i}", "i8", (None,)).tolist())
+                 for i in range(len(hosts))]
+        for k in [k for k in self.ranks if k[:2] == job]:
+            del self.ranks[k]
+        for host, ranks in zip(hosts, named):
+            if ranks:
+                self.ranks[(*job, host)] = ranks
+        while len(self.ranks) > self.capacity:
+            self.ranks.popitem(last=False)
