@@ -135,6 +135,22 @@ def tansu_descendants(root: int) -> set[int]:
     return found
 
 
+def test_a_native_crash_in_any_command_prints_every_threads_python_stack():
+    """Every command's process (up, agent, streams, sink: all go through main) reports a crash in native code
+    with the Python stack of each thread, not only an exit status -11 (a real segfault: a read at address 0)."""
+    crash = ("import ctypes, faulthandler, threading\n"
+             "from fleetscope.cli.main import main\n"
+             "assert main(['kb', 'list']) == 0 and faulthandler.is_enabled()\n"
+             "def read_address_zero():\n"
+             "    ctypes.string_at(0)\n"
+             "threading.Thread(target=lambda: __import__('time').sleep(60), name='bystander', daemon=True).start()\n"
+             "read_address_zero()\n")
+    out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stderr[-2000:])
+    assert "Segmentation fault" in out.stderr and "read_address_zero" in out.stderr, out.stderr[-2000:]
+    assert out.stderr.count("hread 0x") >= 2, out.stderr[-2000:]   # the bystander's stack too
+
+
 def test_installed_console_script_works_from_any_directory(tmp_path):
     """`make up` runs the venv's `fleetscope` script: every subcommand must import without the repo as cwd."""
     script = Path(sys.executable).with_name("fleetscope")

@@ -1,6 +1,7 @@
 """What every command shares: loading the config, opening the store, parsing --param, terminating children."""
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 
@@ -50,3 +51,16 @@ def stop_on_interrupt_or_terminate() -> None:
     """
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+
+
+def print_native_crashes() -> None:
+    """A crash in native code (librdkafka, Arrow, chDB, the eBPF loaders) prints every thread's Python stack to
+    stderr before the process dies, instead of leaving a bare exit status -11 or -6 (a loaded CI run once saw
+    `fleetscope up` end by SIGSEGV on Ctrl-C with nothing to say where). Left alone where a handler is already
+    set (pytest's) or stderr has no file descriptor."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is both OSError and ValueError
+        pass

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from fleetscope import config as config_mod
 from fleetscope.cli.global_options import add_global_options
-from fleetscope.cli.common import kafka_or_explain, load_config, open_configured_store, parse_params
+from fleetscope.cli.common import (kafka_or_explain, load_config, open_configured_store, parse_params,
+                                   print_native_crashes)
 from fleetscope.cli.topic_flags import add_topic_flags, with_topic_flags
 
 
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    print_native_crashes()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
