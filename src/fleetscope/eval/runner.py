@@ -295,13 +295,17 @@ class Run:
 
     def _injectors(self, f: FaultSpec) -> list:
         from fleetscope.eval.faults import NODE_WIDE_KINDS, make_fault
+        relays = getattr(self.workload, "relays", None) or []   # the GPU stand-in's: one in front of each rank
         relay = getattr(self.workload, "relay", None)
         if f.target == "outside":
             return [make_fault(f.kind, strength=f.strength, params=f.params, outside=True)]
         if f.kind in NODE_WIDE_KINDS:
             return [make_fault(f.kind, strength=f.strength, params=f.params)]
+        # a link fault degrades the link into its own rank (before, every rank's went to the one relay exposed,
+        # rank 1's, whatever rank the scenario named)
         return [make_fault(f.kind, pid=self.pids[r], rank=r, strength=f.strength, params=f.params,
-                           control_dir=self.control_dir, relay=relay, nvml=self.nvml) for r in f.ranks]
+                           control_dir=self.control_dir, relay=relays[r] if r < len(relays) else relay,
+                           nvml=self.nvml) for r in f.ranks]
 
     def fault_prime(self, i: int) -> None:
         """Build fault i's injectors PRIME_LEAD_S before it starts and prime them all at once, so what they

@@ -33,7 +33,7 @@ the rank's stand-in control file. The `link_delay` fault needs no knob: with 2+ 
 rank, so every ring connection takes the same path (a relay in front of one rank alone made
 that rank differ from its peers before any fault: its bytes arrived in more, smaller pieces,
 3x the voluntary context switches). The one in front of `relay_rank` (default 1) is exposed
-as `.relay` for `faults.LinkDelay`.
+as `.relay`; the runner gives a link fault on rank r `relays[r]`.
 
     python -m fleetscope.eval.workloads.gpu_standin --plan
     python -m fleetscope.eval.workloads.gpu_standin --run --ranks 2 --duration-s 10
