@@ -54,6 +54,9 @@ from fleetscope.streams.derived_codec import ANOMALY_SCHEMA, DIAGNOSIS_SCHEMA, s
 from fleetscope.streams.sinks import token
 
 log = logging.getLogger(__name__)
+# The detectors that judge a rank against its own past only (every other detector compares it with its peers,
+# its node or its job, or saw a loud failure)
+OWN_MODEL_DETECTORS = frozenset(d for d in DETECTORS if d != "peer")
 
 
 class NamedCulprits(NamedTuple):
@@ -369,7 +372,8 @@ class Scorer:
         scenarios' healthy run: 10 such steps flagged all three ranks at once, a third of its false positives).
 
         So is such a step whose ranks the order of arrival parts into a culprit and its waiting peers, when
-        no peer comparison flagged any of them and the job's iterations are no slower than its history
+        only their own models flagged them (no peer comparison, and no node, outside-load, job or loud detector
+        gave them their roles) and the job's iterations are no slower than its history
         (job_iteration_time_ratio below roles.MIN_SLOWDOWN): nobody was held up, so the rank that happened to
         arrive last caused nothing. Dev two_faults_overlap: after both faults ended, the models that had
         learned the faulty regime flagged all three ranks alike in 18 steps at a ratio of 0.90-1.08, and
@@ -379,7 +383,7 @@ class Scorer:
             return
         if not all(role == CULPRIT for role in roles) and not (
                 all(role in (CULPRIT, WAITING) for role in roles)
-                and not any(differs_from_peers(s.detectors) for s in results)
+                and all(set(s.detectors) <= OWN_MODEL_DETECTORS for s in results)
                 and finite(ratio) and ratio < MIN_SLOWDOWN):
             return
         for i, s in enumerate(results):
