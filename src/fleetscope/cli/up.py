@@ -8,10 +8,12 @@ broker goes. Children die with us even if we are killed (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from collections import deque
+from typing import NoReturn
 
 from fleetscope.config import Config
 from fleetscope.cli.common import stop_on_interrupt_or_terminate
@@ -58,7 +60,8 @@ def status_line(elapsed: float, agent, workers: dict | None, n_workers: int, sin
     return line
 
 
-def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False, workers: int = 1) -> int:
+def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False, workers: int = 1) -> NoReturn:
+    """Run the stack until Ctrl-C (or `duration_s`), stop it in order, and end the process with its status."""
     stop_on_interrupt_or_terminate()  # "Ctrl-C stops everything", however `up` was started
     stack = EmbeddedStack(cfg, workers=workers, agent=True)
     failed = False
@@ -80,9 +83,15 @@ def run_up(cfg: Config, duration_s: float | None = None, plain: bool = False, wo
     code = 1 if failed or not stack.exited_cleanly() else 0
     if stack.agent_still_running():  # its native code must not meet the interpreter's teardown (stop_agent)
         print("fleetscope up: the agent did not stop in time; exiting without waiting for it", flush=True)
-        sys.stderr.flush()
-        os._exit(code or 1)
-    return code
+        code = code or 1
+    # Everything `up` started has stopped and said so. What is left is the interpreter's own teardown, where the
+    # agent's native libraries (librdkafka, Arrow, the eBPF loaders) are freed while their objects and threads
+    # may still be reachable: loaded CI runs saw `up` die by SIGSEGV on Ctrl-C after a clean stop (twice, with
+    # nothing printed even with faulthandler on, which is itself disabled late in teardown). So `up` ends here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _watch(stack: EmbeddedStack, duration_s: float | None, plain: bool) -> None:
