@@ -85,10 +85,7 @@ class NeighbourPlacement:
         """The rows (of `rows`, the host's ranks in this step; `ranks[i]` row i's rank) beside the neighbour."""
         local = local_rows(rows, evidence, OUTSIDE_FEATURE, OUTSIDE_MIN_GAP, OUTSIDE_REL_GAP)
         if local:
-            self.ranks[key] = frozenset(ranks[i] for i in local)
-            self.ranks.move_to_end(key)
-            while len(self.ranks) > self.capacity:
-                self.ranks.popitem(last=False)
+            self._remember(key, frozenset(ranks[i] for i in local))
             return local
         named = self.ranks.get(key)
         if not named:
@@ -100,6 +97,13 @@ class NeighbourPlacement:
                 or (others and min(share[i] for i in beside) < max(others)):
             return []
         return beside
+
+    def _remember(self, key: Hashable, ranks: frozenset) -> None:
+        """The newest placement last; the oldest go past `capacity`."""
+        self.ranks[key] = ranks
+        self.ranks.move_to_end(key)
+        while len(self.ranks) > self.capacity:
+            self.ranks.popitem(last=False)
 
     def forget(self, key: Hashable) -> None:
         self.ranks.pop(key, None)
@@ -123,6 +127,4 @@ class NeighbourPlacement:
             del self.ranks[k]
         for host, ranks in zip(hosts, named):
             if ranks:
-                self.ranks[(*job, host)] = ranks
-        while len(self.ranks) > self.capacity:
-            self.ranks.popitem(last=False)
+                self._remember((*job, host), ranks)
