@@ -43,6 +43,7 @@ from fleetscope.streams.model.confirmation import UNCONFIRMED, AlertConfirmation
 from fleetscope.streams.model.loud import KIND_FEATURE, LoudFailures
 from fleetscope.streams.model.drift import MemoryDrift
 from fleetscope.streams.model.job_rate import JobRates
+from fleetscope.streams.model.receive_wakeups import FEATURE as LINK_FEATURE, ReceiveWakeups, slow_receivers
 from fleetscope.streams.model.outside_load import OutsideLoad
 from fleetscope.streams.model.node import NODE_ROW, NodeFlag, NodeFlags, history_z, node_model_config, node_model_input
 from fleetscope.streams.model.roles import (CULPRIT, JOB, MIN_SLOWDOWN, NODE, WAITING, assign_roles,
@@ -121,6 +122,7 @@ class ScoringStats:
     job_rate_flags: int = 0  # job steps whose collective rate left the job's own history
     job_ofu_flags: int = 0  # job steps whose OFU fell against the job's own history
     job_named_by_arrival: int = 0  # of those, steps whose culprits the order of arrival named (roles.last_arrivers)
+    job_named_by_link: int = 0  # of those, steps whose culprits woke clearly more per collective (receive_wakeups.py)
     job_named_by_locality: int = 0  # of those, steps whose culprits their CPUs' interrupt work named (model/locality.py)
     job_not_explained: int = 0  # job flags whose culprits did not differ from their peers, or whose last arrivers were not waited for enough
     outside_flags: int = 0  # rank-windows flagged for load from outside the job on their host (model/outside_load.py)
@@ -157,6 +159,7 @@ class Scorer:
         self.outside = OutsideLoad(warmup=max(self.model_config.warmup_windows, 5),
                                    regime_windows=self.model_config.slowdown_regime_windows)
         self.placement = NeighbourPlacement()
+        self.receivers = ReceiveWakeups()
         self.stats = ScoringStats()
 
     # ---- models ---------------------------------------------------------------
@@ -176,7 +179,8 @@ class Scorer:
             return {}
         return {"job_rate": self.job_rates.part((tenant, job)), "drift": self.drift.part((tenant, job)),
                 "confirmation": self.confirmation.part((tenant, job)), "outside_load": self.outside.part((tenant, job)),
-                "placement": self.placement.part((tenant, job))}
+                "placement": self.placement.part((tenant, job)),
+                "receive_wakeups": self.receivers.part((tenant, job))}
 
     def config_for(self, tenant: str) -> ModelConfig:
         """A node's model has one row per window: a longer warm-up (model/node.py)."""
@@ -325,8 +329,10 @@ class Scorer:
         if rate is not None:
             for v in evidence:
                 v.update(rate.features)
+        wakeups = self.receivers.step((tenant, job), [w.key[3] for w, _ in members], evidence)
         if rate is not None and rate.flagged and self._flag_job(results, roles, loud_rows, explained, "job_rate",
-                                                                "job_iteration_time_ratio", rate.features, evidence):
+                                                                "job_iteration_time_ratio", rate.features, evidence,
+                                                                wakeups):
             self.stats.job_rate_flags += 1
         if rate is not None and rate.ofu_flagged and self._flag_job(results, roles, loud_rows, explained, "job_ofu",
                                                                     "job_ofu_ratio", rate.features, evidence):
@@ -479,16 +485,22 @@ class Scorer:
         return sorted(beside), compared
 
     def _flag_job(self, results, roles, loud_rows, explained, detector: str, feature: str, features: dict,
-                  evidence) -> bool:
+                  evidence, wakeups=()) -> bool:
         """Flag every rank of the step unless a minority of culprits explains the change: their peers'
         comparison flagged them (roles.differs_from_peers). Role job, unless the order of arrival at the
         step's collectives names the ranks the others wait for, long enough to account for the slower
         iterations (roles.last_arrivers, roles.explains_slowdown), or, when it names none, the ranks whose
-        CPUs carry clearly more interrupt work (model/locality.py): those are culprits and the rest waiting.
+        CPUs carry clearly more interrupt work (model/locality.py), or, for the job's rate, the ranks that wake
+        clearly more per collective than their peers (``wakeups``: model/receive_wakeups.py, a rank behind a slow
+        link): those are culprits and the rest waiting.
         The whole job changing alike, or most ranks looking odd at once, is the job's own: a culprit only its
         own history flagged, like its peers, merely arrived last (dev scenario job_wide_slowdown: a quota on
         every rank). Loud rows and node-flagged ranks keep theirs."""
         ratio = features.get("job_iteration_time_ratio")
+        if detector == "job_rate":   # a slower job: how each rank wakes per collective is evidence for a slow link
+            for i, x in enumerate(wakeups):
+                if x is not None:
+                    evidence[i][LINK_FEATURE] = x
         named = name_culprits(results, roles, loud_rows, evidence, ratio)
         if named.by_minority:
             return False
@@ -496,6 +508,12 @@ class Scorer:
         self.stats.job_named_by_arrival += named.how == "arrival"
         self.stats.job_named_by_locality += named.how == "locality"
         late = named.rows
+        if late is None and detector == "job_rate":
+            late = slow_receivers([None if i in loud_rows or roles[i] == NODE else x
+                                   for i, x in enumerate(wakeups)]) if wakeups else None
+            self.stats.job_named_by_link += late is not None
+            for i in late or ():
+                explained[i] = {**explained.get(i, {}), LINK_FEATURE: wakeups[i]}
         for i, s in enumerate(results):
             if i in loud_rows or roles[i] == NODE:
                 continue

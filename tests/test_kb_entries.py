@@ -117,6 +117,11 @@ def _good(name: str = "demo") -> dict:
     (lambda d: d.update(extra=1), "unknown fields ['extra']"),
     (lambda d: d.update(roles=["culprit", "bystander"]), "roles"),
     (lambda d: d.update(roles=[]), "roles"),
+    (lambda d: d["rules"].update({"or": {"all": []}}), "rules.or: must be a list"),
+    (lambda d: d["rules"].update({"or": [{"all": []}]}), "rules.or[0]: give at least one condition"),
+    (lambda d: d["rules"].update({"or": [{"when": []}]}), "rules.or[0]: unknown fields"),
+    (lambda d: d["rules"].update({"or": [{"any": [{"feature": "cpu_busy_frac", "op": "=>", "value": 1}]}]}),
+     "rules.or[0].any[0].op"),
 ])
 def test_loader_error_names_file_and_field(tmp_path, mutate, field):
     doc = _good()
@@ -200,6 +205,29 @@ def test_a_support_condition_alone_makes_no_candidate_and_its_names_are_checked(
     held = diagnose(waits, {"demo": entry}).matches[0].held
     assert held == ("cpu_steal_frac >= 0.05", "peer_z.runq_wait_threads >= 3")
     doc["rules"]["support"] = [{"peer_z": "runq_wait", "op": ">=", "value": 3}]
+    _write(tmp_path, "demo", doc)
+    with pytest.raises(KBError, match="runq_wait"):
+        load_kb(tmp_path)
+
+
+def test_an_or_block_is_another_way_the_cause_shows_and_counts_only_its_own_conditions(tmp_path):
+    doc = _good()
+    doc["rules"]["or"] = [{"all": [{"feature": "cpu_steal_frac", "op": ">=", "value": 0.05}],
+                           "any": [{"peer_z": "runq_wait_threads", "op": ">=", "value": 3}]}]
+    doc["rules"]["unless"] = [{"feature": "outside_cpu_rise_cores", "op": ">=", "value": 0.5}]
+    _write(tmp_path, "demo", doc)
+    entry = load_kb(tmp_path)["demo"]
+    neither = anomaly({"cpu_busy_frac": 0.5, "cpu_steal_frac": 0.2}, {"runq_wait_threads": 1})
+    assert diagnose(neither, {"demo": entry}).matches == []      # the `or` block's `any` did not hold
+    neither.peer_z["runq_wait_threads"] = 8
+    m = diagnose(neither, {"demo": entry}).matches[0]
+    assert m.held == ("cpu_steal_frac >= 0.05", "peer_z.runq_wait_threads >= 3")
+    assert m.confidence == pytest.approx(0.5 * 2 / 2 + 0.5 * max(0.0, m.similarity))
+    main = anomaly({"cpu_busy_frac": 0.95, "cpu_steal_frac": 0.2}, {"runq_wait_threads": 8})
+    assert diagnose(main, {"demo": entry}).matches[0].held == ("cpu_busy_frac >= 0.9",)   # the main block first
+    neither.features["outside_cpu_rise_cores"] = 1.0
+    assert diagnose(neither, {"demo": entry}).matches == []      # `unless` applies to every block
+    doc["rules"]["or"][0]["any"][0]["peer_z"] = "runq_wait"
     _write(tmp_path, "demo", doc)
     with pytest.raises(KBError, match="runq_wait"):
         load_kb(tmp_path)

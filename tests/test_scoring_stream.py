@@ -563,6 +563,49 @@ def test_a_job_wide_slowdown_is_an_anomaly_of_the_job_though_no_rank_differs(sto
 
 
 
+LINK_RANK = 2
+
+
+def slow_link_batches(tick: int, rng, alike: bool = False) -> list[Batch]:
+    """The job-wide slowdown of slow_job_batches, with each rank's voluntary context switches (the /proc
+    sampler's rows): 60 per collective on every rank, and from ONSET 85 on LINK_RANK (its bytes arrive in
+    pieces through a slow link) against 65 on its peers, or 85 on every rank (``alike``)."""
+    out = slow_job_batches(tick, rng)
+    calls = SLOW if tick // 2 >= ONSET else 20
+    for r in range(RANKS):
+        per_call = 60 if tick // 2 < ONSET else 85 if alike or r == LINK_RANK else 65
+        woke = per_call * calls * (1 + 0.03 * rng.standard_normal())
+        out.append(rank_batch("proc", r, T0 + tick * TICK + TICK // 2, [("proc.vol_ctx", f"pid{1000 + r}", woke, TICK)]))
+    return out
+
+
+@pytest.mark.parametrize("alike", [False, True])
+def test_a_job_slowed_alike_by_a_slow_link_names_the_rank_behind_it(store, tmp_path, alike):
+    """Every rank's collectives slow alike and none arrives last; the rank behind the slow link wakes 1.3 times
+    as often per collective as its peers. Once its last 5 windows say so (the 4th slow window) it is the
+    culprit, diagnosed slow_degraded_link with the ratio as evidence, and its peers wait; before that, and
+    where every rank wakes more alike, the slowdown stays the job's."""
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(19), [0], batches=lambda t, rng: slow_link_batches(t, rng, alike))
+    roles = roles_of(store)
+    named = range(ONSET + 4, 39)
+    flagged = [(r, w, role) for (r, w), (a, role) in roles.items() if a and w in named]
+    if alike:
+        assert flagged and all(role == "job" for _, _, role in flagged), flagged
+        assert proc.snapshot()["model_job_named_by_link"] == 0
+        return
+    assert sum(roles.get((LINK_RANK, w)) == (1, "culprit") for w in named) >= 0.9 * len(named), \
+        [roles.get((LINK_RANK, w)) for w in named]
+    assert not [f for f in flagged if f[0] != LINK_RANK and f[2] != "waiting"], flagged
+    assert proc.snapshot()["model_job_named_by_link"] >= 0.9 * len(named)
+    first = [role for (r, w), (a, role) in roles.items() if a and w == ONSET + CONFIRM_LAG]
+    assert first and set(first) == {"job"}, first    # the 5-window ratio is not there yet
+    diag = q(store, f"SELECT kb_entry, evidence FROM diagnoses FINAL WHERE rank = {LINK_RANK} AND window_start = "
+                    f"fromUnixTimestamp64Nano(toInt64({T0 + 36 * SEC})) ORDER BY confidence DESC")
+    assert diag and diag[0][0] == "slow_degraded_link", diag
+    assert diag[0][1]["link_wakeup_ratio"] == pytest.approx(85 / 65, rel=0.05)
+
+
 LATE_RANK = 2
 LATE_MS = 10
 

@@ -15,6 +15,8 @@ A file holds (every field is checked on load; an error names file and field):
         - {feature: outside_cpu_rise_cores, op: ">=", value: 0.5}
       support:                         # optional: raise the confidence where they hold; never enough alone
         - {peer_z: runq_wait_threads, op: ">=", value: 3}
+      or:                              # optional: other ways the same cause shows, each an `all`/`any` block
+        - any: [{feature: link_wakeup_ratio, op: ">=", value: 1.2}]
     evidence: [numa_miss_ratio, ...]   # features to show with a diagnosis
     remediation:
       command: "numactl --cpunodebind={numa_node} --membind={numa_node} -- ..."
@@ -42,7 +44,10 @@ specific entry explains: the entry is no candidate where one holds (a masked inp
 by load from outside it is a noisy neighbour, not a job-wide slowdown of unknown cause. A `support` condition
 counts toward the confidence like the others but makes no window a candidate: it is what the entry's story also
 shows, and what another story shows too (a rank that waits to run more than its peers is a noisy neighbour's
-victim only if something else took its host's CPU; alone, it is a straggler). `roles` limits an entry to the windows
+victim only if something else took its host's CPU; alone, it is a straggler). An `or` block is another way the same
+cause shows, with its own `all` and `any` (a slow link in a ring shows in no rank's own bandwidth, only in how the rank
+behind it wakes): the entry is a candidate where its main block or one of them holds; `unless`, `support` and `roles`
+apply to every block. `roles` limits an entry to the windows
 whose role (streams/model/roles.py) fits its story: a job-wide slowdown explains the ranks flagged `job`
 or `node`, not a culprit whose peers wait for it. `{name}` placeholders in commands are filled per argv
 token at plan time (remediation.py), never through a shell.
@@ -115,6 +120,13 @@ class Condition:
 
 
 @dataclass(frozen=True)
+class RuleBlock:
+    """One way an entry's cause shows: every `all` condition holds and, if it has any, one `any` condition."""
+    all_rules: tuple[Condition, ...]
+    any_rules: tuple[Condition, ...]
+
+
+@dataclass(frozen=True)
 class Remediation:
     kind: str                  # "command" | "write"
     argv: tuple[str, ...]      # command: argv template tokens
@@ -144,6 +156,12 @@ class Entry:
     roles: tuple[str, ...] = ROLES  # the roles of flagged windows it can explain
     unless_rules: tuple[Condition, ...] = ()   # where one holds, the entry does not apply
     support_rules: tuple[Condition, ...] = ()  # count toward the confidence where they hold; never decide
+    alternatives: tuple[RuleBlock, ...] = ()   # `or`: other blocks, each enough alone
+
+    @property
+    def blocks(self) -> tuple[RuleBlock, ...]:
+        """The main block first, then the `or` blocks."""
+        return (RuleBlock(self.all_rules, self.any_rules), *self.alternatives)
 
     def explains_role(self, role: str) -> bool:
         """An anomaly without a role (stored before roles existed) fits every entry."""
@@ -200,13 +218,14 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     except (TypeError, ValueError) as exc:
         raise KBError(str(exc) if str(exc).startswith(where) else f"{where}: fingerprint: {exc}") from None
     rules = _required(doc, "rules", dict, where)
-    _no_unknown(rules, {"all", "any", "unless", "support"}, f"{where}: rules")
+    _no_unknown(rules, {"all", "any", "unless", "support", "or"}, f"{where}: rules")
     all_rules = _conditions(rules.get("all", []), f"{where}: rules.all")
     any_rules = _conditions(rules.get("any", []), f"{where}: rules.any")
     unless_rules = _conditions(rules.get("unless", []), f"{where}: rules.unless")
     support_rules = _conditions(rules.get("support", []), f"{where}: rules.support")
     if not all_rules and not any_rules:
         raise KBError(f"{where}: rules: give at least one condition under `all` or `any`")
+    alternatives = _alternatives(rules.get("or", []), f"{where}: rules.or")
     evidence = _required(doc, "evidence", list, where)
     if not evidence or not all(isinstance(e, str) and e for e in evidence):
         raise KBError(f"{where}: evidence must be a non-empty list of feature names")
@@ -214,12 +233,36 @@ def parse_entry(doc: Any, path: Path) -> Entry:
     requires = doc.get("requires", [])
     if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
         raise KBError(f"{where}: requires: must be a list of feature names (or peer_z.<feature>)")
-    missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where, unless_rules + support_rules)
+    alternative_rules = tuple(c for b in alternatives for c in b.all_rules + b.any_rules)
+    missing = _missing_inputs(all_rules, any_rules, evidence, tuple(requires), where,
+                              unless_rules + support_rules + alternative_rules)
     roles = doc.get("roles", list(ROLES))
     if not isinstance(roles, list) or not roles or not all(r in ROLES for r in roles):
         raise KBError(f"{where}: roles: must be a non-empty list of {list(ROLES)}, got {roles!r}")
     return Entry(name, description, fingerprint, all_rules, any_rules, tuple(evidence), remediation, path, missing,
-                 tuple(roles), unless_rules, support_rules)
+                 tuple(roles), unless_rules, support_rules, alternatives)
+
+
+def _listed_mappings(items: Any, where: str, a_list_of: str, an_item_is: str):
+    """(where[i], item) for each mapping of the list ``items``; KBError naming the place otherwise."""
+    if not isinstance(items, list):
+        raise KBError(f"{where}: must be a list of {a_list_of}")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise KBError(f"{where}[{i}]: {an_item_is}")
+        yield f"{where}[{i}]", item
+
+
+def _alternatives(items: Any, where: str) -> tuple[RuleBlock, ...]:
+    out = []
+    for w, block in _listed_mappings(items, where, "rule blocks, each with `all` and/or `any`",
+                                     "a rule block is a mapping with `all` and/or `any`"):
+        _no_unknown(block, {"all", "any"}, w)
+        b = RuleBlock(_conditions(block.get("all", []), f"{w}.all"), _conditions(block.get("any", []), f"{w}.any"))
+        if not b.all_rules and not b.any_rules:
+            raise KBError(f"{w}: give at least one condition under `all` or `any`")
+        out.append(b)
+    return tuple(out)
 
 
 def _need(c: Condition) -> str:
@@ -255,13 +298,9 @@ def _missing_inputs(all_rules, any_rules, evidence, requires: tuple[str, ...], w
 
 
 def _conditions(items: Any, where: str) -> tuple[Condition, ...]:
-    if not isinstance(items, list):
-        raise KBError(f"{where}: must be a list of conditions")
     out = []
-    for i, item in enumerate(items):
-        w = f"{where}[{i}]"
-        if not isinstance(item, dict):
-            raise KBError(f"{w}: a condition is a mapping like {{feature: X, op: '>=', value: 1}}")
+    for w, item in _listed_mappings(items, where, "conditions",
+                                    "a condition is a mapping like {feature: X, op: '>=', value: 1}"):
         _no_unknown(item, {"feature", "peer_z", "op", "value", "abs", "if_present"}, w)
         sources = [s for s in ("feature", "peer_z") if s in item]
         if len(sources) != 1:

@@ -2,14 +2,15 @@
 
 An entry is a candidate only when the anomaly's role is one it explains
 (`roles`) and its rules pass: every `all` condition holds, if it has
-`any` conditions at least one does, and none of its `unless` conditions does. A masked input
+`any` conditions at least one does, and none of its `unless` conditions does; or, failing
+that, the same holds for one of its `or` blocks (the first that does counts). A masked input
 makes its condition false, so an entry never matches on missing data. Its `support` conditions
 decide nothing; where they hold they raise the rule part.
 
 confidence = 0.5 * rule_part + 0.5 * pattern_part, where
-- rule_part    = (conditions that held) / (conditions the entry has, `unless`
-                 aside), so an entry whose `any` and `support` conditions all
-                 hold is surer;
+- rule_part    = (conditions that held) / (conditions of the block that held,
+                 with the entry's `support`), so an entry whose `any` and
+                 `support` conditions all hold is surer;
 - pattern_part = max(0, cosine similarity of the window's fingerprint and
                  the entry's fingerprint pattern).
 
@@ -75,17 +76,18 @@ def match_entry(entry: Entry, anomaly: Anomaly, attribution: Attribution) -> Mat
     feats, peers = anomaly.features, anomaly.peer_z
     if not entry.explains_role(anomaly.role):
         return None
-    if not all(c.holds(feats, peers) for c in entry.all_rules):
-        return None
     if any(c.holds(feats, peers) for c in entry.unless_rules):
         return None
-    any_held = [c for c in entry.any_rules if c.holds(feats, peers)]
-    if entry.any_rules and not any_held:
+    for block in entry.blocks:
+        any_held = [c for c in block.any_rules if c.holds(feats, peers)]
+        if all(c.holds(feats, peers) for c in block.all_rules) and (any_held or not block.any_rules):
+            break
+    else:
         return None
     support_held = [c for c in entry.support_rules if c.holds(feats, peers)]
-    held = [c.describe() for c in (*entry.all_rules, *any_held, *support_held)]
-    loud = any(c.name in LOUD for c in (*entry.all_rules, *any_held))
-    rule_part = len(held) / (len(entry.all_rules) + len(entry.any_rules) + len(entry.support_rules))
+    held = [c.describe() for c in (*block.all_rules, *any_held, *support_held)]
+    loud = any(c.name in LOUD for c in (*block.all_rules, *any_held))
+    rule_part = len(held) / (len(block.all_rules) + len(block.any_rules) + len(entry.support_rules))
     sim = similarity(attribution.fingerprint, entry.fingerprint)
     confidence = 1.0 if loud else 0.5 * rule_part + 0.5 * max(0.0, sim)
     return Match(entry.name, round(confidence, 6), round(sim, 6), tuple(held), evidence_of(anomaly, entry.evidence),

@@ -92,9 +92,15 @@ CASES: dict[str, tuple[list, list]] = {
     ),
     "slow_degraded_link": (
         [({"nccl_algbw_gbps": 40, "nccl_lat_p99_ns": 3e7, "nccl_time_frac": 0.55},
-          {"nccl_algbw_gbps": -7, "nccl_lat_p99_ns": 6, "nccl_time_frac": 4})],
+          {"nccl_algbw_gbps": -7, "nccl_lat_p99_ns": 6, "nccl_time_frac": 4}),
+         # a ring: every rank's bandwidth fell alike (no peer z), the job slowed, this rank wakes more per
+         # collective than its peers (its model saw the bandwidth fall against its own past)
+         ({"nccl_algbw_gbps": 0.05, "link_wakeup_ratio": 1.35, "job_iteration_time_ratio": 1.9},
+          {"nccl_algbw_gbps": -0.3}, {"nccl_algbw_gbps": 12.0, "nccl_lat_p99_ns": 4.0})],
         [({"nccl_algbw_gbps": 40}, {"nccl_algbw_gbps": -7, "nccl_lat_p99_ns": 1}),
-         ({"nccl_lat_p99_ns": 2e7}, {"nccl_lat_p99_ns": 5, "nccl_algbw_gbps": -1})],
+         ({"nccl_lat_p99_ns": 2e7}, {"nccl_lat_p99_ns": 5, "nccl_algbw_gbps": -1}),
+         # wakes more per collective, but the job is no slower: a rank that differs by design
+         ({"link_wakeup_ratio": 1.35, "job_iteration_time_ratio": 1.0}, {}, {"nccl_algbw_gbps": 12.0})],
     ),
     "h2d_copy_stall_pageable": (
         [({"cuda_memcpy_frac": 0.4, "cuda_memcpy_htod_bytes_per_s": 5e8, "cuda_memcpy_lat_p50_ns": 2e6},

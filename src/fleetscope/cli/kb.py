@@ -100,6 +100,9 @@ def cmd_kb_show(args, cfg) -> int:
     print("rules: all of: " + ("; ".join(c.describe() for c in e.all_rules) or "-"))
     if e.any_rules:
         print("       any of: " + "; ".join(c.describe() for c in e.any_rules))
+    for b in e.alternatives:
+        print("   or: all of: " + ("; ".join(c.describe() for c in b.all_rules) or "-")
+              + ("; any of: " + "; ".join(c.describe() for c in b.any_rules) if b.any_rules else ""))
     if e.unless_rules:
         print("       not where: " + "; ".join(c.describe() for c in e.unless_rules))
     if e.support_rules:
