@@ -95,8 +95,8 @@ JOB_FEATURES = frozenset(("job_collective_rate", "job_rate_z", "job_iteration_ti
 OUTSIDE_FEATURES = frozenset(("outside_cpu_cores", "outside_cpu_z", "outside_cpu_rise_cores", "outside_rank_cpu_frac"))
 # Derived by the scorer's drift detector (streams/model/drift.py), on the rank whose memory grows.
 DRIFT_FEATURES = frozenset(("cuda_mem_growth_bytes_per_s", "proc_rss_growth_bytes_per_s"))
-# Derived by the scorer in a step whose job's rate fell (streams/model/receive_wakeups.py): a rank's wakeups per
-# collective over its last windows against its peers' median; already a comparison across the job's ranks.
+# Derived by the scorer on the ranks it names behind a slow link, in a step whose job's rate fell
+# (streams/model/receive_wakeups.py): wakeups per collective over the last windows against the peers' median.
 LINK_FEATURES = frozenset(("link_wakeup_ratio",))
 ALL_FEATURES = (RANK_FEATURES | NODE_FEATURES | RANK_JOIN_FEATURES | LOUD_FEATURES | JOB_GPU_FEATURES | JOB_FEATURES
                 | OUTSIDE_FEATURES | DRIFT_FEATURES | STEP_FEATURES | LINK_FEATURES)

@@ -497,10 +497,6 @@ class Scorer:
         own history flagged, like its peers, merely arrived last (dev scenario job_wide_slowdown: a quota on
         every rank). Loud rows and node-flagged ranks keep theirs."""
         ratio = features.get("job_iteration_time_ratio")
-        if detector == "job_rate":   # a slower job: how each rank wakes per collective is evidence for a slow link
-            for i, x in enumerate(wakeups):
-                if x is not None:
-                    evidence[i][LINK_FEATURE] = x
         named = name_culprits(results, roles, loud_rows, evidence, ratio)
         if named.by_minority:
             return False
@@ -512,7 +508,8 @@ class Scorer:
             late = slow_receivers([None if i in loud_rows or roles[i] == NODE else x
                                    for i, x in enumerate(wakeups)]) if wakeups else None
             self.stats.job_named_by_link += late is not None
-            for i in late or ():
+            for i in late or ():   # only what named them: a rank the order of arrival named keeps its own story
+                evidence[i][LINK_FEATURE] = wakeups[i]
                 explained[i] = {**explained.get(i, {}), LINK_FEATURE: wakeups[i]}
         for i, s in enumerate(results):
             if i in loud_rows or roles[i] == NODE:

@@ -570,8 +570,12 @@ def slow_link_batches(tick: int, rng, alike: bool = False) -> list[Batch]:
     """The job-wide slowdown of slow_job_batches, with each rank's voluntary context switches (the /proc
     sampler's rows): 60 per collective on every rank, and from ONSET 85 on LINK_RANK (its bytes arrive in
     pieces through a slow link) against 65 on its peers, or 85 on every rank (``alike``)."""
-    out = slow_job_batches(tick, rng)
+    return slow_job_batches(tick, rng) + wakeup_batches(tick, rng, alike)
+
+
+def wakeup_batches(tick: int, rng, alike: bool = False) -> list[Batch]:
     calls = SLOW if tick // 2 >= ONSET else 20
+    out = []
     for r in range(RANKS):
         per_call = 60 if tick // 2 < ONSET else 85 if alike or r == LINK_RANK else 65
         woke = per_call * calls * (1 + 0.03 * rng.standard_normal())
@@ -646,6 +650,23 @@ def test_a_job_slowdown_one_rank_arrives_late_for_names_that_rank_the_culprit_an
     # alerting sees the culprit alone
     alerted = q(store, "SELECT DISTINCT rank FROM anomalies FINAL WHERE tenant = 'acme' AND role = 'culprit'")
     assert alerted == [(LATE_RANK,)], alerted
+
+
+def test_a_late_arriver_that_also_wakes_more_keeps_its_own_story_not_a_slow_link(store, tmp_path):
+    """The late arriver above also wakes more per collective than its peers (as a rank feeding itself through
+    a data loader does: dev dataloader_stall's culprit was diagnosed slow_degraded_link in one run while every
+    slowed step carried the ratio). The order of arrival names it; the wakeups name nobody and are no evidence
+    of a slow link on it."""
+    assert LATE_RANK == LINK_RANK
+    proc = processor(store, tmp_path, FakeClock())
+    run(proc, range(2 * 40), np.random.default_rng(17), [0],
+        batches=lambda t, rng: late_arriver_batches(t, rng) + wakeup_batches(t, rng))
+    roles = roles_of(store)
+    slow = [w for w in range(ONSET + CONFIRM_LAG, 39)]
+    assert sum(roles.get((LATE_RANK, w)) == (1, "culprit") for w in slow) >= 0.9 * len(slow)
+    assert proc.snapshot()["model_job_named_by_link"] == 0
+    assert q(store, "SELECT count() FROM anomalies FINAL WHERE mapContains(feature, 'link_wakeup_ratio')") == [(0,)]
+    assert q(store, "SELECT count() FROM diagnoses FINAL WHERE kb_entry = 'slow_degraded_link'") == [(0,)]
 
 
 def test_a_job_slowdown_whose_last_arriver_is_barely_waited_for_stays_the_jobs(store, tmp_path):
