@@ -35,6 +35,7 @@ import numpy as np
 
 from fleetscope.streams.model.checkpoint import JobPart
 from fleetscope.streams.model.job_rate import job_rate
+from fleetscope.streams.model.roles import finite
 
 WAKEUPS = "proc_vol_ctx_per_s"
 FEATURE = "link_wakeup_ratio"   # a rank's wakeups per collective over SPAN windows / its peers' median
@@ -58,7 +59,7 @@ class ReceiveWakeups:
         counts: dict[int, tuple[float, float]] = {}
         for rank, v in zip(ranks, vectors):
             woke, calls = v.get(WAKEUPS), v.get(name) if name else None
-            if _finite(woke) and woke >= 0 and _finite(calls) and calls > 0:
+            if finite(woke) and woke >= 0 and finite(calls) and calls > 0:
                 counts[int(rank)] = (float(woke), float(calls))
         recent = self.recent.get(job)
         if recent is None:
@@ -81,9 +82,6 @@ class ReceiveWakeups:
             peers = median(x for r, x in per_call.items() if r != int(rank))
             out.append(per_call[int(rank)] / peers if peers > 0 else None)
         return out
-
-    def forget(self, job: Hashable) -> None:
-        self.recent.pop(job, None)
 
     # ---- checkpoint part: the job's last SPAN windows, ranks x windows --------------------------------
     def part(self, job: tuple[str, str]) -> JobPart:
@@ -117,7 +115,7 @@ class ReceiveWakeups:
                         arrays.fail(f"window {w} rank {r}: counts out of range")
                     counts[int(r)] = (float(woke[w, k]), float(calls[w, k]))
             recent.append(counts)
-        self.forget(job)
+        self.recent.pop(job, None)
         if recent:
             self.recent[job] = recent
 
@@ -130,7 +128,3 @@ def slow_receivers(ratios: Sequence[float | None]) -> list[int] | None:
     if len(compared) < MIN_RANKS or not high or 2 * len(high) >= len(compared):
         return None
     return high
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
