@@ -111,3 +111,79 @@ def test_the_short_straggler_is_detected_on_its_rank(straggler_run):
     # the rules compared on the run: one whose detectors this worker did not run says so, with no recall
     rules = result["rules"]
     assert "f1" in rules["gmm or peer"] and set(rules["hst"]) == {"not_run"}, rules
+
+
+@needs_root_and_cgroups[0]
+@needs_root_and_cgroups[1]
+def test_a_scenario_stopped_by_repeated_signals_to_its_process_group_still_undoes_its_fault(tmp_path):
+    """`timeout`, a CI job's cancel and `kill -- -PGID` signal the whole group: `fleetscope bench scenario`, its
+    `run_one` child, torchrun and the ranks. The parent forwards one more SIGTERM, and an impatient user sends
+    another. Every signal after the first must leave the cleanup alone: before, one that came while the quota
+    was being undone cut the cleanup short and left the three ranks running with rank 2 still in its cgroup (1 of
+    3 runs with a single group signal; here more follow, every 50 ms for 2 s, so the old code fails every time)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    path = tmp_path / "ci_straggler.yaml"
+    path.write_text(SCENARIO.replace("duration_s: 16", "duration_s: 60", 1))
+    out_file = tmp_path / "bench.out"
+    with open(out_file, "w") as out:
+        bench = subprocess.Popen([sys.executable, "-m", "fleetscope", "bench", "scenario", str(path), "--repeats", "1",
+                                  "--warmup-windows", "20", "--work-dir", str(tmp_path / "work"),
+                                  "--out", str(tmp_path / "out")],
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "fault 0 ON" not in out_file.read_text():
+            assert bench.poll() is None and time.monotonic() < deadline, out_file.read_text()[-3000:]
+            time.sleep(0.5)
+        job = out_file.read_text().split("running as job ", 1)[1].split(":", 1)[0]
+        assert _our_processes(job), "the ranks should be running while the fault is on"
+        for _ in range(40):  # the group's signal, then more while the cleanup runs: its first steps take milliseconds
+            os.killpg(bench.pid, signal.SIGTERM)
+            time.sleep(0.05)
+        bench.wait(150)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+    text = out_file.read_text()
+    left, root = _our_processes(job), controller_root("cpu")[0]
+    quota_cgroups = list(root.rglob(f"{PARENT}/cpu-quota-*"))
+    for pid in left:  # leave no busy ranks behind even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    for cg in quota_cgroups:
+        cg.rmdir()
+    assert "interrupted" in text, text[-3000:]
+    assert left == [], f"ranks left running:\n{text[-3000:]}"
+    assert quota_cgroups == [], "the fault's cgroup was not removed"
+    from fleetscope.store import endpoint_alive
+    assert not endpoint_alive(tmp_path / "work" / job), "the stack still serves its store"
+
+
+RUN_ONE_HANDLER = """
+import os, signal, sys, time
+from fleetscope.eval import run_one
+signal.signal(signal.SIGTERM, run_one._interrupt)
+signal.signal(signal.SIGINT, run_one._interrupt)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    sys.exit("the first SIGTERM raised nothing")
+except KeyboardInterrupt:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):  # the cleanup: more signals arrive
+        os.kill(os.getpid(), sig)
+        time.sleep(0.05)
+    print("cleanup finished")
+"""
+
+
+def test_a_scenario_run_stops_on_its_first_signal_and_ignores_the_ones_after_it_while_it_cleans_up():
+    """The mechanism of the test above, without a scenario: `run_one`'s handler turns the first SIGTERM into
+    KeyboardInterrupt (the cleanup starts) and later SIGTERMs and SIGINTs, real signals to a real process,
+    no longer raise."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", RUN_ONE_HANDLER], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "cleanup finished" in r.stdout, r.stdout + r.stderr

@@ -215,6 +215,8 @@ def run_in_child(scenario_path: Path, opts: dict, log_path: Path, show=print) ->
                 show(time.strftime("%H:%M:%S ") + line)
         child.wait()
     except KeyboardInterrupt:  # Ctrl-C reached the child too (same process group); SIGTERM may not have
+        for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not end the wait: the child is cleaning up
+            signal.signal(s, signal.SIG_IGN)
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
         try:

@@ -4,7 +4,7 @@
 with a clean process (no broker client, BPF program or thread left from the last one).
 Progress lines go to stdout; the agent's and libraries' logging goes to stderr, which
 the parent sends to a log file. The last stdout line is `RESULT <json file>`.
-SIGTERM and SIGINT both undo the fault and stop everything before exiting.
+SIGTERM and SIGINT both undo the fault and stop everything before exiting; signals after the first are ignored.
 """
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ from pathlib import Path
 
 
 def _interrupt(signum, frame):
+    """The first SIGTERM or SIGINT starts the cleanup; later ones are ignored so that they cannot cut it short.
+    They come in twos: `timeout`, a CI job's cancel or `kill -- -PGID` signal the whole process group, and
+    `fleetscope bench scenario` forwards a SIGTERM of its own. A second KeyboardInterrupt raised inside the
+    cleanup (or on the way to it) used to leave the ranks running and the fault's cgroup in place."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -28,6 +34,7 @@ def main(argv=None) -> int:
     path, raw = argv
     o = json.loads(raw)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = RunOptions(out_dir=Path(o["out_dir"]), ranks=o.get("ranks"), window_s=o.get("window_s"),
