@@ -186,6 +186,27 @@ def test_cli_remediate_dry_run_by_default_and_logged(cfg, capsys):
     assert log[0]["evidence_before"]["cpu_steal_frac"] == "0.15"
 
 
+def test_cli_remediate_plans_the_remediation_of_the_rule_block_that_held(tmp_path, kb, capsys):
+    """Two stored slow_degraded_link diagnoses: rank 1's by one rank's bandwidth and tail latency (the main block,
+    NVLink's counters), rank 2's by the ring's wakeups (the `or` block of a TCP link, its sockets). The plan of each
+    comes from the rules the store kept as held."""
+    from fleetscope.cli.kb import cmd_remediate
+    cfg = config_mod.load(env={}, data_dir=tmp_path, host="node-a")
+    ds = []
+    for rank, case in ((1, CASES["slow_degraded_link"][0][0]), (2, CASES["slow_degraded_link"][0][1])):
+        a = anomaly(*case)
+        a.rank, a.window_start_ns, a.host = rank, NOW_NS, "node-a"
+        ds.append(diagnose(a, kb))
+    assert [d.best for d in ds] == ["slow_degraded_link"] * 2
+    with ChdbStore(tmp_path / "chdb") as s:
+        s.migrate()
+        s.insert("diagnoses", diagnosis_columns(ds, NOW_NS), dedupe_token="seed")
+    assert cmd_remediate(_args("remediate", "--job", "train-1", "--entry", "slow_degraded_link", "--param", "gpu=0",
+                               "--min-confidence", "0"), cfg, executor=RecordingExecutor()) == 0
+    assert {(r["rank"], r["command"]) for r in _log(cfg)} == {(1, "nvidia-smi nvlink -e -i 0"),
+                                                              (2, "ss -tin state established")}
+
+
 def test_cli_remediate_execute_needs_both_opt_ins(cfg, capsys):
     from fleetscope.cli.kb import cmd_remediate
     ex = RecordingExecutor()
@@ -209,6 +230,10 @@ def test_cli_kb_list_and_show(capsys, kb):
     assert cmd_kb_show(_args("kb", "show", "irq_locality_miss"), None) == 0
     out = capsys.readouterr().out
     assert "write '{cpus}' to /proc/irq/{irq}/smp_affinity_list" in out and "parameters: cpus, irq" in out
+    assert cmd_kb_show(_args("kb", "show", "slow_degraded_link"), None) == 0   # an `or` block's own remediation
+    out = capsys.readouterr().out
+    assert "where it held, remediation: ss -tin state established" in out
+    assert out.index("ss -tin") < out.index("remediation: nvidia-smi nvlink -e -i {gpu}")
     assert cmd_kb_show(_args("kb", "show", "nope"), None) == 1
 
 

@@ -122,6 +122,11 @@ def _good(name: str = "demo") -> dict:
     (lambda d: d["rules"].update({"or": [{"when": []}]}), "rules.or[0]: unknown fields"),
     (lambda d: d["rules"].update({"or": [{"any": [{"feature": "cpu_busy_frac", "op": "=>", "value": 1}]}]}),
      "rules.or[0].any[0].op"),
+    (lambda d: d["rules"].update({"or": [{"any": [{"feature": "cpu_busy_frac", "op": ">=", "value": 1}],
+                                          "remediation": {"command": "ss -tin", "risk": "low"}}]}),
+     "rules.or[0].remediation.auto"),
+    (lambda d: d["rules"].update({"or": [{"any": [{"feature": "cpu_busy_frac", "op": ">=", "value": 1}],
+                                          "remediation": "ss -tin"}]}), "rules.or[0]: `remediation` must be a dict"),
 ])
 def test_loader_error_names_file_and_field(tmp_path, mutate, field):
     doc = _good()
@@ -231,6 +236,24 @@ def test_an_or_block_is_another_way_the_cause_shows_and_counts_only_its_own_cond
     _write(tmp_path, "demo", doc)
     with pytest.raises(KBError, match="runq_wait"):
         load_kb(tmp_path)
+
+
+def test_an_or_block_may_bring_its_own_remediation_planned_where_that_block_held(tmp_path):
+    """A cause that shows two ways may want two fixes: the `or` block's remediation is planned for a diagnosis
+    whose held rules show that block held; the main block's diagnoses, and blocks without one, get the entry's."""
+    doc = _good()
+    doc["rules"]["or"] = [{"all": [{"feature": "cpu_steal_frac", "op": ">=", "value": 0.05}],
+                           "remediation": {"command": "ss -tin state established", "risk": "low", "auto": True}},
+                          {"any": [{"peer_z": "runq_wait_threads", "op": ">=", "value": 3}]}]
+    _write(tmp_path, "demo", doc)
+    entry = load_kb(tmp_path)["demo"]
+    by_block = diagnose(anomaly({"cpu_busy_frac": 0.5, "cpu_steal_frac": 0.2}, {}), {"demo": entry}).matches[0]
+    assert entry.remediation_for(by_block.held).argv == ("ss", "-tin", "state", "established")
+    by_main = diagnose(anomaly({"cpu_busy_frac": 0.95, "cpu_steal_frac": 0.2}, {}), {"demo": entry}).matches[0]
+    assert entry.remediation_for(by_main.held).argv == ("kubectl", "cordon", "{host}")   # the main block held first
+    by_third = diagnose(anomaly({"cpu_busy_frac": 0.5}, {"runq_wait_threads": 8}), {"demo": entry}).matches[0]
+    assert entry.remediation_for(by_third.held) == entry.remediation
+    assert entry.remediation_for(()) == entry.remediation                    # held rules unknown: the entry's
 
 
 def test_loader_reports_every_bad_file_and_accepts_good_ones(tmp_path):

@@ -131,7 +131,23 @@ def test_every_shipped_entry_plans_and_dry_runs(kb):
     assert ex.calls == []
     autos = [n for n, e in kb.items() if e.remediation.auto]
     assert len(autos) < len(kb) / 2, "most remediations must need an operator"
-    assert all(kb[n].remediation.risk == "low" for n in autos), "only low-risk actions may run automatically"
+    everyone = [e.remediation for e in kb.values()] + [b.remediation for e in kb.values() for b in e.alternatives
+                                                       if b.remediation is not None]
+    assert all(r.risk == "low" for r in everyone if r.auto), "only low-risk actions may run automatically"
+
+
+def test_a_slow_tcp_link_named_by_its_wakeups_gets_its_sockets_read_not_nvlinks_counters(kb):
+    """slow_degraded_link's `or` block (the rank behind a slow link in a ring, named by how often it wakes) is a
+    TCP link: its plan reads the host's sockets; the main block (one rank's bandwidth and tail latency against its
+    peers', as NVLink shows) keeps the NVLink counters."""
+    entry = kb["slow_degraded_link"]
+    ring = ("link_wakeup_ratio >= 1.2", "job_iteration_time_ratio >= 1.1")
+    action = plan(entry, tenant="acme", job="train-1", host="node-a", rank=2, held=ring)
+    assert action.argv == ("ss", "-tin", "state", "established") and action.missing == ()
+    assert action.check[0] == "nstat" and action.auto and action.risk == "low"
+    one_rank = ("peer_z.nccl_lat_p99_ns >= 2", "peer_z.nccl_algbw_gbps <= -3")
+    assert plan(entry, tenant="acme", job="train-1", host="node-a", rank=2, held=one_rank,
+                params={"gpu": "0"}).argv[:3] == ("nvidia-smi", "nvlink", "-e")
 
 
 def test_local_executor_uses_no_shell(tmp_path):

@@ -17,6 +17,7 @@ A file holds (every field is checked on load; an error names file and field):
         - {peer_z: runq_wait_threads, op: ">=", value: 3}
       or:                              # optional: other ways the same cause shows, each an `all`/`any` block
         - any: [{feature: link_wakeup_ratio, op: ">=", value: 1.2}]
+          remediation: {...}           # optional: the block's own (as below), where its cause wants another fix
     evidence: [numa_miss_ratio, ...]   # features to show with a diagnosis
     remediation:
       command: "numactl --cpunodebind={numa_node} --membind={numa_node} -- ..."
@@ -47,7 +48,9 @@ shows, and what another story shows too (a rank that waits to run more than its 
 victim only if something else took its host's CPU; alone, it is a straggler). An `or` block is another way the same
 cause shows, with its own `all` and `any` (a slow link in a ring shows in no rank's own bandwidth, only in how the rank
 behind it wakes): the entry is a candidate where its main block or one of them holds; `unless`, `support` and `roles`
-apply to every block. `roles` limits an entry to the windows
+apply to every block. An `or` block may carry its own `remediation` (the same fields): planned for a
+diagnosis whose held rules show that block held (``Entry.remediation_for``), the entry's otherwise (a slow TCP
+link wants its sockets read, not NVLink's counters). `roles` limits an entry to the windows
 whose role (streams/model/roles.py) fits its story: a job-wide slowdown explains the ranks flagged `job`
 or `node`, not a culprit whose peers wait for it. `{name}` placeholders in commands are filled per argv
 token at plan time (remediation.py), never through a shell.
@@ -60,7 +63,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
@@ -124,6 +127,13 @@ class RuleBlock:
     """One way an entry's cause shows: every `all` condition holds and, if it has any, one `any` condition."""
     all_rules: tuple[Condition, ...]
     any_rules: tuple[Condition, ...]
+    remediation: "Remediation | None" = None   # an `or` block's own; None: the entry's
+
+    def held_in(self, held: Sequence[str]) -> bool:
+        """Do a match's held rules (Match.held, the store's rules_held) show this block held?"""
+        said = set(held)
+        return all(c.describe() in said for c in self.all_rules) and (
+            not self.any_rules or any(c.describe() in said for c in self.any_rules))
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,15 @@ class Entry:
     def blocks(self) -> tuple[RuleBlock, ...]:
         """The main block first, then the `or` blocks."""
         return (RuleBlock(self.all_rules, self.any_rules), *self.alternatives)
+
+    def remediation_for(self, held: Sequence[str] = ()) -> Remediation:
+        """The remediation for a diagnosis whose held rules are ``held``: that of the first block they show held
+        (the matcher takes the first block that holds, and held names its conditions), where it has its own;
+        else the entry's."""
+        for block in self.blocks:
+            if block.held_in(held):
+                return block.remediation or self.remediation
+        return self.remediation
 
     def explains_role(self, role: str) -> bool:
         """An anomaly without a role (stored before roles existed) fits every entry."""
@@ -257,8 +276,11 @@ def _alternatives(items: Any, where: str) -> tuple[RuleBlock, ...]:
     out = []
     for w, block in _listed_mappings(items, where, "rule blocks, each with `all` and/or `any`",
                                      "a rule block is a mapping with `all` and/or `any`"):
-        _no_unknown(block, {"all", "any"}, w)
-        b = RuleBlock(_conditions(block.get("all", []), f"{w}.all"), _conditions(block.get("any", []), f"{w}.any"))
+        _no_unknown(block, {"all", "any", "remediation"}, w)
+        own = (_remediation(_required(block, "remediation", dict, w), f"{w}.remediation")
+               if "remediation" in block else None)
+        b = RuleBlock(_conditions(block.get("all", []), f"{w}.all"), _conditions(block.get("any", []), f"{w}.any"),
+                      own)
         if not b.all_rules and not b.any_rules:
             raise KBError(f"{w}: give at least one condition under `all` or `any`")
         out.append(b)

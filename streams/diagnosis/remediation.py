@@ -36,7 +36,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 from fleetscope.streams.diagnosis.kb import PLACEHOLDER_RE, Entry
 
@@ -217,13 +217,15 @@ class LogRecord:
 
 
 def plan(entry: Entry, *, tenant: str, job: str, host: str, rank: int, window_start_ns: int = 0,
-         params: Mapping[str, str] | None = None, evidence: Mapping[str, float] | None = None) -> Action:
-    """Fill the entry's command with the anomaly's identity and the operator's params.
+         params: Mapping[str, str] | None = None, evidence: Mapping[str, float] | None = None,
+         held: Sequence[str] = ()) -> Action:
+    """Fill the entry's command with the anomaly's identity and the operator's params. ``held``: the diagnosis's
+    held rules, which say which of the entry's rule blocks matched and so whose remediation applies.
 
     Raises IdentityOverride when params name tenant, job, host or rank."""
     check_operator_params(params or {})
     values = {**dict(params or {}), "tenant": tenant, "job": job, "host": host, "rank": str(rank)}
-    rem = entry.remediation
+    rem = entry.remediation_for(held)
     missing: set[str] = set()
     fill = _filler(values, missing)
     argv = tuple(fill(t) for t in rem.argv)

@@ -103,6 +103,8 @@ def cmd_kb_show(args, cfg) -> int:
     for b in e.alternatives:
         print("   or: all of: " + ("; ".join(c.describe() for c in b.all_rules) or "-")
               + ("; any of: " + "; ".join(c.describe() for c in b.any_rules) if b.any_rules else ""))
+        if b.remediation is not None:
+            print("       where it held, remediation: " + _remediation_text(b.remediation, " " * 9))
     if e.unless_rules:
         print("       not where: " + "; ".join(c.describe() for c in e.unless_rules))
     if e.support_rules:
@@ -110,14 +112,20 @@ def cmd_kb_show(args, cfg) -> int:
     print(f"evidence: {', '.join(e.evidence)}")
     if not e.reachable:
         print(f"not reachable yet: the pipeline computes no {', '.join(e.missing)}")
-    action = f"write {r.write_value!r} to {r.write_path}" if r.kind == "write" else " ".join(r.argv)
-    print(f"remediation: {action}\n  risk {r.risk}, auto {'yes' if r.auto else 'no'}"
-          + (f", requires {', '.join(r.requires)}" if r.requires else ""))
-    if r.check:
-        print(f"  evidence check: {' '.join(r.check)}")
-    if r.placeholders():
-        print(f"  parameters: {', '.join(r.placeholders())}")
+    print("remediation: " + _remediation_text(r))
     return 0
+
+
+def _remediation_text(r, indent: str = "  ") -> str:
+    """A remediation as `kb show` prints it: the action, then its risk, check and parameters, each indented."""
+    action = f"write {r.write_value!r} to {r.write_path}" if r.kind == "write" else " ".join(r.argv)
+    text = f"{action}\n{indent}risk {r.risk}, auto {'yes' if r.auto else 'no'}" + (
+        f", requires {', '.join(r.requires)}" if r.requires else "")
+    if r.check:
+        text += f"\n{indent}evidence check: {' '.join(r.check)}"
+    if r.placeholders():
+        text += f"\n{indent}parameters: {', '.join(r.placeholders())}"
+    return text
 
 
 # ---- diagnose ----------------------------------------------------------------------
@@ -223,7 +231,7 @@ def cmd_diagnose(args, cfg) -> int:
 TARGETS_SQL = """
 SELECT kb_entry, host, rank, argMax(tenant, confidence) AS best_tenant, max(confidence) AS best_confidence,
        toUnixTimestamp64Nano(argMax(window_start, confidence)) AS window_ns,
-       argMax(evidence, confidence) AS best_evidence
+       argMax(evidence, confidence) AS best_evidence, argMax(rules_held, confidence) AS best_rules_held
 FROM diagnoses FINAL
 WHERE job = {job:String} AND kb_entry != 'unmatched' AND confidence >= {min_conf:Float32}
   AND window_start >= fromUnixTimestamp64Milli({since_ms:Int64}) {extra}
@@ -285,7 +293,8 @@ def cmd_remediate(args, cfg, executor=None) -> int:
                 unknown.append(t["kb_entry"])
                 continue
             action = plan(entry, tenant=t["best_tenant"], job=args.job, host=t["host"], rank=t["rank"],
-                          window_start_ns=t["window_ns"], params=params, evidence=t["best_evidence"])
+                          window_start_ns=t["window_ns"], params=params, evidence=t["best_evidence"],
+                          held=t["best_rules_held"])
             rec = run_action(action, policy, executor, operator=args.operator, journal=journal)
             records.append(rec)
             print(f"{render(action, rec)}\n  confidence {t['best_confidence']:.2f}\n")
