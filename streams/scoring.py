@@ -97,7 +97,8 @@ class VanishedWindow(NamedTuple):
     start_ns: int
 
 
-MODEL_COUNTERS = ("features_admitted", "admission_windows_skipped")   # the job models' counters the worker sums
+MODEL_COUNTERS = ("features_admitted", "admission_windows_skipped", "phase_windows_learned")   # the job models'
+# counters the worker sums
 
 
 @dataclass
@@ -113,6 +114,7 @@ class ScoringStats:
     node_join_misses: int = 0  # anomalies diagnosed without their host's node features
     features_admitted: int = 0  # late features that joined a job's score (FeatureAdmission)
     admission_windows_skipped: int = 0  # windows a late feature's round did not count: a rank was flagged
+    phase_windows_learned: int = 0  # windows of a short job-wide burst learned once it ended (JobModel, a phase)
     waiting: int = 0  # flagged rank-windows labelled waiting: stored, not alerted
     promoted: int = 0  # unflagged ranks every flagged peer waited for, flagged as the culprit
     node_windows: int = 0  # node windows scored by their node's model

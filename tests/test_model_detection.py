@@ -326,3 +326,49 @@ def test_every_score_reads_zero_where_its_mask_is_false():
         model.process_window(w * 1_000_000_000, rows)
     assert model.stats["features_admitted"] >= 10
     assert calls and all(calls)
+
+
+PHASE_EVERY, PHASES = 12, 8      # a checkpoint-like phase: one window every 12, from START
+
+
+def _phases(w, job):
+    """Every rank alike, for one window in every PHASE_EVERY: six features triple (a checkpoint's writes)."""
+    f = np.ones((8, 30))
+    if w >= START and (w - START) % PHASE_EVERY == 0:
+        f[:, :6] = 3.0
+    return f
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_phase_the_job_repeats_is_learned_as_a_component_and_stops_alarming(seed):
+    """Issue 16: phase changes that repeat (evaluation passes, checkpoints) are learned as normal components. The
+    first time every rank is flagged; once each short phase has ended it is learned, and its later repeats are
+    not flagged. Without it (phase_windows 0: flagged windows are never learned), every repeat alarms, as every
+    checkpoint of the dev scenario healthy_eval_checkpoint did."""
+    n = START + PHASE_EVERY * PHASES
+    at = [START + PHASE_EVERY * i for i in range(PHASES)]
+    never, _, _ = run(seed, n, _phases, cfg=ModelConfig(detectors=("gmm", "peer"), phase_windows=0))
+    assert all(sum(s.is_anomaly for s in never[w]) >= 6 for w in at), [sum(s.is_anomaly for s in never[w]) for w in at]
+    learned, model, _ = run(seed, n, _phases)
+    flagged = [sum(s.is_anomaly for s in learned[w]) for w in at]
+    assert flagged[0] >= 6, flagged                          # the first time, it is news
+    # from the third on, a known phase: at most one relapse in six (the component's weight fades between repeats)
+    assert sum(f > 0 for f in flagged[2:]) <= 1, flagged
+    assert model.stats["phase_windows_learned"] >= 1     # the first, after it ended; later repeats are normal
+    quiet = [w for w in range(START, n) if w not in at]
+    assert sum(s.is_anomaly for w in quiet for s in learned[w]) <= 0.01 * 8 * len(quiet)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_job_wide_change_longer_than_a_phase_is_not_learned_as_one(seed):
+    """Every rank alike for 6 windows: longer than phase_windows (2), so a fault, not a phase. It is flagged as
+    long as it lasts, and none of its windows is learned, so the same change later is flagged as before."""
+    def factor(w, job):
+        f = np.ones((8, 30))
+        if START <= w < START + 6 or START + 30 <= w < START + 36:
+            f[:, :6] = 3.0
+        return f
+    windows, model, _ = run(seed, START + 40, factor)
+    for lo in (START, START + 30):
+        assert all(sum(s.is_anomaly for s in windows[w]) >= 6 for w in range(lo, lo + 6)), lo
+    assert model.stats["phase_windows_learned"] == 0

@@ -844,6 +844,7 @@ def test_every_rank_flagged_alike_with_the_jobs_rate_unchanged_is_left_to_the_jo
     assert not [f for f in flagged if f[1] in ALIKE], flagged
     stats = proc.snapshot()
     assert stats["model_job_alike_unflagged"] >= RANKS * len(ALIKE) * 0.5, stats  # the model did flag them
+    assert stats["model_phase_windows_learned"] == len(ALIKE), stats   # a short phase: learned once it ended
 
 
 def checkpoint_burst_batches(tick: int, rng) -> list[Batch]:

@@ -38,6 +38,9 @@ class ModelConfig:
                                       # error: from a 45-score warm-up plain DSPOT alarmed at ~4x its risk (simulated)
     anomaly_weight: float = 0.0       # learning weight of a flagged row (0: not learned)
     regime_windows: int = 20          # most ranks flagged this many windows in a row: learn it as the new normal
+    phase_windows: int = 2            # most ranks flagged at most this many windows in a row, then not: a phase
+                                      # the job went through (a checkpoint, an evaluation pass), learned once over
+                                      # (0: never); a repeating one becomes a component of the mixture
     slowdown_regime_windows: int = 300  # the job's rate or OFU below its history this many windows in a row: its
                                       # new normal (job_rate.py). Until then a slowdown stays flagged: at 20, a
                                       # dev job_wide_slowdown's alarm ended 20 s into its 40 s at -41%
