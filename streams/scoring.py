@@ -398,12 +398,14 @@ class Scorer:
         """
         if len(results) < 2 or loud_rows or not all(s.is_anomaly for s in results):
             return
+        def only(kinds, detectors) -> bool:
+            return all(role in kinds for role in roles) and all(set(s.detectors) <= detectors for s in results)
+
         no_slower = finite(ratio) and ratio < MIN_SLOWDOWN
-        if not all(role == CULPRIT for role in roles) and not (
-                all(role in (CULPRIT, WAITING) for role in roles)
-                and all(set(s.detectors) <= OWN_MODEL_DETECTORS for s in results) and no_slower) and not (
-                all(role in (CULPRIT, NODE) for role in roles)
-                and all(set(s.detectors) <= NODE_ALIKE_DETECTORS for s in results) and no_slower):
+        every_rank_its_own = all(role == CULPRIT for role in roles)
+        arrival_skew_only = no_slower and only((CULPRIT, WAITING), OWN_MODEL_DETECTORS)
+        node_change_only = no_slower and only((CULPRIT, NODE), NODE_ALIKE_DETECTORS)
+        if not (every_rank_its_own or arrival_skew_only or node_change_only):
             return
         for i, s in enumerate(results):
             s.is_anomaly = False
