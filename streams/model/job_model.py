@@ -189,15 +189,21 @@ class JobModel:
             self.stats["regime_windows_learned"] += 1
         else:
             weights = np.where(anomaly, c.anomaly_weight, 1.0)
-        if held is not None:
-            weights = np.where(held, np.minimum(weights, c.anomaly_weight), weights)
-        for det in self.detectors.values():
-            det.learn(w, weights)
+        weights = self._fit(w, weights, held)
         self._learn_phase(w, burst, held)
         change = self.scaler.update(w.X, w.observed & (weights >= 1.0)[:, None])
         if change is not None:
             for det in self.detectors.values():
                 det.rescale(change)
+
+    def _fit(self, w: WindowCells, weights: np.ndarray, held: np.ndarray | None) -> np.ndarray:
+        """Every detector learns the window's rows at ``weights``, rows the caller holds at most at
+        ``anomaly_weight``; returns the weights used."""
+        if held is not None:
+            weights = np.where(held, np.minimum(weights, self.config.anomaly_weight), weights)
+        for det in self.detectors.values():
+            det.learn(w, weights)
+        return weights
 
     def _learn_phase(self, w: WindowCells, burst: bool, held: np.ndarray | None) -> None:
         """Keep a burst's windows while it lasts; once it ends within ``phase_windows``, learn them in full (rows
@@ -212,11 +218,7 @@ class JobModel:
         # a feature new since (the index grew) would leave the kept windows narrower than the model: drop them
         if self._burst and len(self._burst) <= limit and all(bw.X.shape[1] == w.X.shape[1] for bw, _ in self._burst):
             for bw, bheld in self._burst:
-                weights = np.ones(bw.X.shape[0])
-                if bheld is not None:
-                    weights = np.where(bheld, self.config.anomaly_weight, weights)
-                for det in self.detectors.values():
-                    det.learn(bw, weights)
+                self._fit(bw, np.ones(bw.X.shape[0]), bheld)
             self.stats["phase_windows_learned"] += len(self._burst)
         self._burst = []
 
